@@ -1,0 +1,50 @@
+"""asynclock: an async (asyncio/trio) coordinator for data-parallel PyTorch on MPI and Horovod.
+
+    async with asynclock.start() as coord:
+        total = await coord.allreduce(tensor)
+
+Importing asynclock initialises nothing: MPI starts at `init()`/`start()`.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    AsynclockError,
+    BackendError,
+    CollectiveTimeout,
+    InvalidInputError,
+    MismatchError,
+    NotInitializedError,
+    RankFailedError,
+    RemoteInputError,
+    ShutdownError,
+    StallError,
+)
+from .handle import Handle
+from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .progress import EngineStatistics, ProgressPolicy
+from .runtime import (
+    Coordinator,
+    coordinator,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    start,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsynclockError", "Average", "BackendError", "CollectiveTimeout", "Coordinator",
+    "EngineStatistics", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
+    "NotInitializedError", "Product", "ProgressPolicy", "RankFailedError", "ReduceOp",
+    "RemoteInputError", "ShutdownError", "StallError", "Sum", "coordinator", "cross_rank",
+    "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
+    "size", "start",
+]

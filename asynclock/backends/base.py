@@ -1,0 +1,88 @@
+"""The small protocol every transport implements.
+
+A backend hands out channels; a channel is a private pair of communicators
+(one for headers, one for data) so that each subsystem (user collectives,
+gradients, sync primitives) orders its own traffic and can never match
+another's or the user's own MPI calls. Every method starts a non-blocking
+operation and returns a request with mpi4py's `Test`/`Wait` names, so MPI
+requests need no wrapper on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..ops import ReduceOp
+
+Array = np.ndarray[Any, Any]
+
+
+class Request(Protocol):
+    """A started operation; `Wait` is only ever called from a worker thread."""
+
+    def Test(self) -> bool: ...  # noqa: N802 - mpi4py's spelling
+
+    def Wait(self) -> Any: ...  # noqa: N802
+
+
+class Channel(Protocol):
+    """Non-blocking collectives on one private communicator pair."""
+
+    rank: int
+    size: int
+    name: str
+
+    def iallgather_slots(self, send: Array, recv: Array) -> Request: ...
+
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request: ...
+
+    def ibcast(self, buf: Array, root: int) -> Request: ...
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request: ...
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request: ...
+
+    def ialltoall(self, send: Array, recv: Array) -> Request: ...
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request: ...
+
+    def ibarrier(self) -> Request: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """A transport: who we are, and channels to talk on."""
+
+    name: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+    def channel(self, name: str) -> Channel: ...
+
+    def describe(self) -> str: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Done:
+    """A request that completed when it was made (local transports)."""
+
+    __slots__ = ()
+
+    def Test(self) -> bool:  # noqa: N802
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        return None
+
+
+DONE = Done()

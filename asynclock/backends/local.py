@@ -1,0 +1,75 @@
+"""World size 1 without MPI: every collective completes when it is started."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import ReduceOp
+from .base import DONE, Array, Request
+
+
+class LocalChannel:
+    """Copies where MPI would communicate; reductions over one rank are identity."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def iallgather_slots(self, send: Array, recv: Array) -> Request:
+        recv[: send.size] = send
+        return DONE
+
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        if send is not None:
+            recv[...] = send
+        return DONE
+
+    def ibcast(self, buf: Array, root: int) -> Request:
+        return DONE
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
+        recv[: send.size] = send
+        return DONE
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request:
+        recv[...] = send[: recv.size]
+        return DONE
+
+    def ialltoall(self, send: Array, recv: Array) -> Request:
+        recv[...] = send
+        return DONE
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request:
+        np.copyto(recv[: send.size], send)
+        return DONE
+
+    def ibarrier(self) -> Request:
+        return DONE
+
+    def close(self) -> None:
+        return None
+
+
+class LocalBackend:
+    """Chosen by `backend="auto"` when mpi4py cannot be imported."""
+
+    name = "local"
+    rank = 0
+    size = 1
+    local_rank = 0
+    local_size = 1
+    cross_rank = 0
+    cross_size = 1
+
+    def channel(self, name: str) -> LocalChannel:
+        return LocalChannel(name)
+
+    def describe(self) -> str:
+        return "local (world size 1, no MPI)"
+
+    def shutdown(self) -> None:
+        return None

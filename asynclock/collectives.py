@@ -1,0 +1,206 @@
+"""The async collective API, mixed into `Coordinator`.
+
+Naming follows Horovod: `allreduce` returns a new tensor, `allreduce_`
+works in place, `*_async` returns a `Handle` to await later. Default reduce
+op is sum (MPI and torch.distributed); `asynclock.torch` keeps Horovod's
+average default.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from .handle import Handle
+from .header import Call
+from .operation import Lane, Operation
+from .ops import Kind, ReduceOp, as_reduce_op
+from .progress import Engine
+from .tensors import Buffer, InputFault, InputRejected, as_buffer, empty_like_code
+
+from . import collective_ops as ops
+
+
+class Collectives:
+    """Mixin: needs `_engine`, `_lane` (user channel) and `_check_open()`."""
+
+    _engine: Engine
+    _lane: Lane
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    # -- plumbing --------------------------------------------------------------
+    def _submit(self, op: Operation) -> Handle:
+        return Handle(self._engine, self._engine.submit(op))
+
+    def _call(self, kind: Kind, name: str | None, buf: Buffer | None = None, **kw: Any) -> Call:
+        shape = buf.shape if buf is not None else ()
+        nbytes = buf.array.nbytes if buf is not None else kw.pop("nbytes", 0)
+        dtype = buf.code if buf is not None else 0
+        return Call(kind, self._lane.next_seq(), dtype=dtype, shape=shape, nbytes=nbytes,
+                    name=name or "", **kw)
+
+    def _buffer(self, kind: Kind, tensor: Any, name: str | None, *, writable: bool = False,
+                **kw: Any) -> Buffer:
+        """Validate; on a bad input still join the header round, then raise."""
+        self._check_open()
+        try:
+            return as_buffer(tensor, writable=writable)
+        except InputRejected as exc:
+            self._announce_fault(kind, name, exc.fault, **kw)
+            raise
+
+    def _announce_fault(self, kind: Kind, name: str | None, fault: InputFault, **kw: Any) -> None:
+        """Tell the other ranks why we will not take part, so they fail too."""
+        call = Call(kind, self._lane.next_seq(), name=name or "", fault=int(fault), **kw)
+        self._engine.submit(Operation(self._lane, call))
+
+    # -- allreduce -------------------------------------------------------------
+    def allreduce_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                        name: str | None = None) -> Handle:
+        """Start an out-of-place allreduce; `await` the handle for the result."""
+        rop = as_reduce_op(op)
+        buf = self._buffer(Kind.ALLREDUCE, tensor, name, op=int(rop))
+        out = empty_like_code(buf.code, buf.array.size)
+        return self._submit(ops.AllreduceOp(self._lane, self._call(
+            Kind.ALLREDUCE, name, buf, op=int(rop)), buf, out, rop))
+
+    def allreduce_async_(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                         name: str | None = None) -> Handle:
+        """Start an in-place allreduce; the handle resolves to `tensor` itself."""
+        rop = as_reduce_op(op)
+        buf = self._buffer(Kind.ALLREDUCE, tensor, name, writable=True, op=int(rop))
+        return self._submit(ops.AllreduceOp(self._lane, self._call(
+            Kind.ALLREDUCE, name, buf, op=int(rop)), buf, buf.array, rop))
+
+    async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                        name: str | None = None) -> Any:
+        """Reduce `tensor` across ranks into a new tensor."""
+        return await self.allreduce_async(tensor, op, name=name)
+
+    async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                         name: str | None = None) -> Any:
+        """Reduce `tensor` across ranks in place and return it."""
+        return await self.allreduce_async_(tensor, op, name=name)
+
+    # -- broadcast -------------------------------------------------------------
+    def broadcast_async(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:
+        """Start an out-of-place broadcast of root's `tensor`."""
+        buf = self._rooted(Kind.BROADCAST, tensor, root, name, writable=False)
+        out = buf.array.copy() if self._lane.rank == root else empty_like_code(
+            buf.code, buf.array.size)
+        return self._submit(ops.BroadcastOp(self._lane, self._call(
+            Kind.BROADCAST, name, buf, root=root), buf, out, root))
+
+    def broadcast_async_(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:
+        """Start an in-place broadcast into `tensor` on every rank."""
+        buf = self._rooted(Kind.BROADCAST, tensor, root, name, writable=True)
+        return self._submit(ops.BroadcastOp(self._lane, self._call(
+            Kind.BROADCAST, name, buf, root=root), buf, buf.array, root))
+
+    def _rooted(self, kind: Kind, tensor: Any, root: int, name: str | None, *,
+                writable: bool) -> Buffer:
+        self._check_root(kind, root, name)
+        return self._buffer(kind, tensor, name, writable=writable, root=root)
+
+    def _check_root(self, kind: Kind, root: int, name: str | None) -> None:
+        if not 0 <= root < self._lane.size:
+            self._announce_fault(kind, name, InputFault.BAD_ARGUMENT)
+            raise InputRejected(InputFault.BAD_ARGUMENT,
+                                f"root {root} is not a rank of a world of {self._lane.size}")
+
+    async def broadcast(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
+        """Return root's `tensor` on every rank (new tensor)."""
+        return await self.broadcast_async(tensor, root, name=name)
+
+    async def broadcast_(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
+        """Overwrite `tensor` with root's on every rank and return it."""
+        return await self.broadcast_async_(tensor, root, name=name)
+
+    # -- allgather, reduce_scatter, alltoall -----------------------------------
+    def allgather_async(self, tensor: Any, *, name: str | None = None) -> Handle:
+        """Start concatenating every rank's tensor along dim 0 (dim 0 may differ)."""
+        buf = self._buffer(Kind.ALLGATHER, tensor, name)
+        return self._submit(ops.AllgatherOp(self._lane, self._call(Kind.ALLGATHER, name, buf), buf))
+
+    async def allgather(self, tensor: Any, *, name: str | None = None) -> Any:
+        """Concatenation of every rank's `tensor` along dim 0, in rank order."""
+        return await self.allgather_async(tensor, name=name)
+
+    def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                             name: str | None = None) -> Handle:
+        """Start reduce-then-scatter along dim 0 (Horovod's split: first ranks larger)."""
+        rop = as_reduce_op(op)
+        buf = self._buffer(Kind.REDUCE_SCATTER, tensor, name, op=int(rop))
+        return self._submit(ops.ReduceScatterOp(self._lane, self._call(
+            Kind.REDUCE_SCATTER, name, buf, op=int(rop)), buf, rop))
+
+    async def reduce_scatter(self, tensor: Any, op: ReduceOp | str = "sum", *,
+                             name: str | None = None) -> Any:
+        """This rank's slice of the reduction of every rank's `tensor`."""
+        return await self.reduce_scatter_async(tensor, op, name=name)
+
+    def alltoall_async(self, tensor: Any, splits: list[int] | None = None, *,
+                       name: str | None = None) -> Handle:
+        """Start an alltoall; resolves to `(output, received_splits)`."""
+        buf = self._buffer(Kind.ALLTOALL, tensor, name)
+        split_list = self._splits(buf, splits, name)
+        return self._submit(ops.AlltoallOp(self._lane, self._call(
+            Kind.ALLTOALL, name, buf), buf, split_list))
+
+    def _splits(self, buf: Buffer, splits: list[int] | None, name: str | None) -> list[int]:
+        dim0, size = (buf.shape[0] if buf.shape else 1), self._lane.size
+        if splits is None:
+            splits = [dim0 // size] * size if dim0 % size == 0 else []
+        if len(splits) != size or sum(splits) != dim0 or min(splits) < 0:
+            self._announce_fault(Kind.ALLTOALL, name, InputFault.BAD_ARGUMENT)
+            raise InputRejected(InputFault.BAD_ARGUMENT, f"splits {splits} do not divide "
+                                f"dim 0 ({dim0}) into {size} parts")
+        return [int(s) for s in splits]
+
+    async def alltoall(self, tensor: Any, splits: list[int] | None = None, *,
+                       name: str | None = None) -> tuple[Any, list[int]]:
+        """Send `splits[r]` rows to rank r; returns `(received rows, their splits)`."""
+        result: tuple[Any, list[int]] = await self.alltoall_async(tensor, splits, name=name)
+        return result
+
+    # -- barrier and objects ---------------------------------------------------
+    def barrier_async(self, *, name: str | None = None) -> Handle:
+        """Start a barrier; it also checks that every rank reached the same call."""
+        self._check_open()
+        return self._submit(ops.BarrierOp(self._lane, self._call(Kind.BARRIER, name)))
+
+    async def barrier(self, *, name: str | None = None) -> None:
+        """Wait until every rank arrives, without blocking the loop."""
+        await self.barrier_async(name=name)
+
+    def broadcast_object_async(self, obj: Any, root: int = 0, *,
+                               name: str | None = None) -> Handle:
+        """Start broadcasting a picklable object from root."""
+        self._check_open()
+        self._check_root(Kind.BROADCAST_OBJECT, root, name)
+        blob = pickle.dumps(obj) if self._lane.rank == root else b""
+        call = self._call(Kind.BROADCAST_OBJECT, name, root=root, nbytes=len(blob))
+        return self._submit(ops.BroadcastObjectOp(self._lane, call, blob))
+
+    async def broadcast_object(self, obj: Any, root: int = 0, *, name: str | None = None) -> Any:
+        """Root's object on every rank (other ranks' `obj` is ignored)."""
+        return await self.broadcast_object_async(obj, root, name=name)
+
+    def allgather_object_async(self, obj: Any, *, name: str | None = None) -> Handle:
+        """Start gathering one picklable object from every rank."""
+        self._check_open()
+        blob = pickle.dumps(obj)
+        call = self._call(Kind.ALLGATHER_OBJECT, name, nbytes=len(blob))
+        return self._submit(ops.AllgatherObjectOp(self._lane, call, blob))
+
+    async def allgather_object(self, obj: Any, *, name: str | None = None) -> list[Any]:
+        """Every rank's object, in rank order."""
+        result: list[Any] = await self.allgather_object_async(obj, name=name)
+        return result
+
+
+__all__ = ["Collectives", "np"]

@@ -1,0 +1,50 @@
+"""One error hierarchy for asynclock.
+
+Errors that concern several ranks (mismatches, failures, stalls) carry the
+same message on every rank, so logs from different ranks can be matched up.
+"""
+
+from __future__ import annotations
+
+
+class AsynclockError(Exception):
+    """Base class of every error asynclock raises."""
+
+
+class NotInitializedError(AsynclockError, RuntimeError):
+    """An API was used before `asynclock.init()` / `asynclock.start()`."""
+
+
+class ShutdownError(AsynclockError, RuntimeError):
+    """An API was used after the coordinator was shut down."""
+
+
+class InvalidInputError(AsynclockError, ValueError):
+    """A tensor or argument cannot be communicated (layout, dtype, device)."""
+
+
+class MismatchError(AsynclockError):
+    """Ranks called a collective with different kinds, shapes, dtypes or ops.
+
+    Raised on every rank with the same message naming each rank's call.
+    """
+
+
+class RemoteInputError(AsynclockError):
+    """Another rank rejected its own input for the collective we share."""
+
+
+class BackendError(AsynclockError, RuntimeError):
+    """The transport (MPI or Horovod) reported an error."""
+
+
+class CollectiveTimeout(AsynclockError, TimeoutError):
+    """A wait passed its deadline; the message names the operation."""
+
+
+class RankFailedError(AsynclockError, RuntimeError):
+    """Another rank died or became unreachable."""
+
+
+class StallError(AsynclockError, RuntimeError):
+    """An operation waited past the stall shutdown threshold."""

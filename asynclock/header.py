@@ -1,0 +1,143 @@
+"""The fixed-size header every checked collective exchanges first.
+
+Each rank contributes one slot of `SLOT_BYTES` to an allgather on the
+channel's header communicator: 16 int64 words that describe its call (kind,
+sequence number, op, dtype, shape, root, name, local input fault) followed by
+up to `INLINE_BYTES` of payload. Because the slot size never depends on the
+call, ranks that disagree still complete this step, see every rank's
+description, and raise the same `MismatchError`; no transport ever sees a
+mismatched buffer. Small payloads ride inline, so small collectives cost one
+round trip in total.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import MismatchError, RemoteInputError
+from .ops import DTYPE_NAMES, Kind, ReduceOp
+from .tensors import FAULT_TEXT, InputFault
+
+WORDS = 18
+HEADER_BYTES = WORDS * 8
+INLINE_BYTES = 128
+SLOT_BYTES = HEADER_BYTES + INLINE_BYTES
+SLOT_WORDS = SLOT_BYTES // 8
+MAGIC = 0x41534C4B0001  # "ASLK" + format version
+
+(W_MAGIC, W_SEQ, W_KIND, W_OP, W_DTYPE, W_ROOT, W_NAME, W_FAULT, W_NBYTES, W_DIM0,
+ W_NDIM, W_TAIL, W_D1, W_D2, W_D3, W_D4, W_LABEL, W_LABEL2) = range(WORDS)
+
+_COMMON = (W_MAGIC, W_SEQ, W_KIND, W_NAME)
+_MATCH: dict[Kind, tuple[int, ...]] = {
+    Kind.ALLREDUCE: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
+    Kind.BROADCAST: _COMMON + (W_DTYPE, W_ROOT, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLGATHER: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
+    Kind.REDUCE_SCATTER: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLTOALL: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
+    Kind.BARRIER: _COMMON,
+    Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
+    Kind.ALLGATHER_OBJECT: _COMMON,
+    Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What one rank says it is doing; packed into its header slot."""
+
+    kind: Kind
+    seq: int
+    op: int = 0
+    dtype: int = 0
+    root: int = 0
+    name: str = ""
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    fault: int = 0
+
+
+def name_hash(name: str) -> int:
+    """Stable across processes (str.__hash__ is salted per process)."""
+    return zlib.crc32(name.encode()) if name else 0
+
+
+def pack(call: Call, slot: np.ndarray[Any, Any]) -> None:
+    """Write `call` into the first `WORDS` words of a send slot."""
+    shape = call.shape
+    dims = list(shape[1:5]) + [0] * (4 - len(shape[1:5]))
+    slot[:WORDS] = (MAGIC, call.seq, int(call.kind), call.op, call.dtype, call.root,
+                    name_hash(call.name), call.fault, call.nbytes,
+                    shape[0] if shape else 1, len(shape), hash(shape[1:]), *dims,
+                    *_label_words(call.name))
+
+
+def _label_words(name: str) -> tuple[int, int]:
+    """First 16 bytes of the name, so every rank can print every rank's name."""
+    raw = name.encode()[:16].ljust(16, b"\0")
+    return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)
+
+
+def label(row: np.ndarray[Any, Any]) -> str:
+    """Decode the name label of one header row."""
+    raw = int(row[W_LABEL]).to_bytes(8, "little", signed=True)
+    raw += int(row[W_LABEL2]).to_bytes(8, "little", signed=True)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def check(rows: np.ndarray[Any, Any], kind: Kind) -> None:
+    """Raise the same error on every rank unless all headers agree."""
+    faults = np.flatnonzero(rows[:, W_FAULT])
+    if faults.size:
+        raise RemoteInputError(_fault_text(rows, faults))
+    cols = _MATCH[kind]
+    sub = rows[:, cols]
+    if not (sub == sub[0]).all():
+        raise MismatchError(mismatch_text(rows))
+
+
+def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
+    """Name each rank that rejected its input and why."""
+    parts = [f"rank {r}: {FAULT_TEXT.get(InputFault(int(rows[r, W_FAULT])), 'invalid input')}"
+             for r in ranks]
+    what = _describe(rows[int(ranks[0])])
+    return f"collective #{int(rows[int(ranks[0]), W_SEQ])} {what} rejected input on " + "; ".join(parts)
+
+
+def mismatch_text(rows: np.ndarray[Any, Any]) -> str:
+    """Group ranks by what they called; identical text on every rank."""
+    groups: dict[str, list[int]] = {}
+    for r in range(rows.shape[0]):
+        groups.setdefault(_describe(rows[r]), []).append(r)
+    body = "; ".join(f"{_ranks(rs)}: {desc}" for desc, rs in groups.items())
+    return f"mismatched collective across ranks: {body}"
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
+
+
+def _describe(row: np.ndarray[Any, Any]) -> str:
+    """Human text of one header: `#3 allreduce(sum) float32[4, 3] name='w'`."""
+    if int(row[W_MAGIC]) != MAGIC:
+        return "<not an asynclock header>"
+    kind = Kind(int(row[W_KIND]))
+    text = f"#{int(row[W_SEQ])} {kind.name.lower()}"
+    if kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER):
+        text += f"({ReduceOp(int(row[W_OP])).name.lower()})"
+    if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
+        text += f"(root={int(row[W_ROOT])})"
+    if int(row[W_DTYPE]):
+        text += f" {DTYPE_NAMES[int(row[W_DTYPE])]}{_shape_text(row)}"
+    name = label(row)
+    return text + (f" name={name!r}" if name else "")
+
+
+def _shape_text(row: np.ndarray[Any, Any]) -> str:
+    ndim = int(row[W_NDIM])
+    dims = [int(row[W_DIM0])] + [int(d) for d in row[W_D1:W_D1 + min(ndim - 1, 4)]]
+    return str(dims[:ndim]) if ndim <= 5 else str(dims)[:-1] + ", ...]"

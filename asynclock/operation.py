@@ -1,0 +1,207 @@
+"""The state machine every checked collective runs through.
+
+HEADER: the header allgather is in flight (issued in the caller's order).
+READY: headers agreed; the next data stage waits for its turn in the
+channel's FIFO, so data-stage order is the header order on every rank.
+DATA: a data-stage request is in flight. DONE: result or error is set.
+
+An operation belongs to the engine once started: cancelling the task that
+awaits it only detaches the waiter, and the operation still runs every
+stage the other ranks expect. That is what keeps ranks in step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .backends.base import Channel, Request
+from .errors import AsynclockError, BackendError
+from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, check, pack
+
+Stage = Callable[[], Request]
+
+
+class State(enum.Enum):
+    HEADER = 1
+    READY = 2
+    DATA = 3
+    DONE = 4
+
+
+class Lane:
+    """A channel plus its sequence counter and data-stage FIFO."""
+
+    def __init__(self, transport: Channel) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.seq = 0
+        self.queue: deque[Operation] = deque()
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def pump(self, issue: Callable[[Operation], None]) -> None:
+        """Issue data stages strictly in header order; stop at the first not ready."""
+        q = self.queue
+        while q:
+            op = q[0]
+            if op.state is State.READY:
+                issue(op)
+            if op.state is State.DONE or (op.state is State.DATA and not op.stages):
+                q.popleft()
+                continue
+            return
+
+
+class Operation:
+    """Base of all collectives; subclasses supply payload, plan and result."""
+
+    threaded_min_bytes = 0  # set by the engine's policy
+    __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
+                 "thread_done", "result", "error", "waiter", "issued_at", "detached", "_recv")
+
+    def __init__(self, lane: Lane, call: Call) -> None:
+        self.lane = lane
+        self.call = call
+        self.state = State.HEADER
+        self.request: Request | None = None
+        self.stages: deque[Stage] = deque()
+        self.stage_bytes = 0
+        self.threaded = False
+        self.thread_done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiter: anyio.Event | None = None
+        self.issued_at = 0.0
+        self.detached = False
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        """Issue the header round; must run in the caller's order."""
+        lane = self.lane
+        send = np.zeros(SLOT_WORDS, np.int64)
+        pack(self.call, send)
+        self.fill_inline(send.view(np.uint8)[HEADER_BYTES:])
+        self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
+        self.request = lane.transport.iallgather_slots(send, self._recv)
+        lane.queue.append(self)
+
+    def poll(self) -> bool:
+        """Test the outstanding request; advance and return True if it finished."""
+        req = self.request
+        if req is None:
+            return False
+        if self.threaded:
+            if not self.thread_done:
+                return False
+            if self.error is not None:  # the wait thread's transport error
+                self.request, self.threaded = None, False
+                self.stages.clear()
+                self._done()
+                return True
+        elif not req.Test():
+            return False
+        self.request = None
+        self.threaded = self.thread_done = False
+        self._advance()
+        return True
+
+    def _advance(self) -> None:
+        if self.state is State.HEADER:
+            self._on_header()
+        elif self.stages:
+            self.state = State.READY
+        else:
+            self._finish(self.finish)
+
+    def _on_header(self) -> None:
+        rows = self._recv.reshape(self.lane.size, SLOT_WORDS)
+        try:
+            check(rows[:, :WORDS], self.call.kind)
+        except AsynclockError as exc:
+            self.fail(exc)
+            return
+        payload = self._recv.view(np.uint8).reshape(self.lane.size, SLOT_BYTES)[:, HEADER_BYTES:]
+        stages = self._guard(lambda: self.plan(rows, payload))
+        if self.state is State.DONE:
+            return
+        if stages:
+            self.stages.extend(stages)
+            self.state = State.READY
+        else:
+            self._finish(self.finish)
+
+    def issue_next(self) -> Request | None:
+        """Start the next data stage (called by the lane pump in FIFO order)."""
+        stage = self.stages.popleft()
+        self.state = State.DATA
+        try:
+            self.request = stage()
+        except Exception as exc:  # a transport refusing to start is fatal for the op
+            self.stages.clear()
+            self.fail(BackendError(f"{self.describe()}: {exc}"))
+        return self.request
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run local arithmetic; turn a failure into this op's error."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def _finish(self, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except Exception as exc:
+            self.fail(exc)
+        else:
+            self.complete(value)
+
+    def complete(self, value: Any) -> None:
+        self.result = value
+        self._done()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._done()
+
+    def _done(self) -> None:
+        self.state = State.DONE
+        if self.waiter is not None:
+            self.waiter.set()
+
+    @property
+    def done(self) -> bool:
+        return self.state is State.DONE
+
+    def outcome(self) -> Any:
+        """The result, or raise the op's error (a fresh raise on every call)."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def describe(self) -> str:
+        c = self.call
+        return f"{c.kind.name.lower()} #{c.seq} on {self.lane.transport.name}" + (
+            f" name={c.name!r}" if c.name else "")
+
+    # -- subclass hooks ------------------------------------------------------
+    def fill_inline(self, slot: np.ndarray[Any, Any]) -> None:
+        """Copy a small payload into the header slot (default: none)."""
+
+    def plan(self, rows: np.ndarray[Any, Any], payload: np.ndarray[Any, Any]) -> list[Stage]:
+        """Headers agreed: finish from inline payloads, or return data stages."""
+        return []
+
+    def finish(self) -> Any:
+        """Produce the result once every stage completed."""
+        return None

@@ -1,0 +1,235 @@
+"""The progress engine: turns transport requests into awaitables.
+
+MPI has no file descriptor to wait on, so one poller task per loop tests
+every in-flight request. Policy, measured in `bench/collectives.py`:
+
+* a bounded spin right after a call is issued (`spin_s`), because small
+  collectives usually finish within microseconds and a round trip through
+  the scheduler costs more than the operation;
+* then tight polling with `sleep(0)` for `busy_s` after the last progress;
+* then sleeps that grow with the time already waited (5% of it, 1 ms to
+  20 ms), so an idle rank awaiting a late peer uses almost no CPU and the
+  extra latency stays under ~5% of the wait;
+* data stages of at least `thread_min_bytes` are waited for in a worker
+  thread with the transport's blocking `Wait` (GIL released), which gives
+  libraries that only progress inside MPI calls (Open MPI's libnbc) the
+  progress they need for bandwidth; the thread wakes the poller when done.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .operation import Lane, Operation, State
+from .threadsafe import loop_caller
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressPolicy:
+    """Knobs of the progress engine (env: ASYNCLOCK_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES)."""
+
+    spin_s: float = 50e-6
+    busy_s: float = 2e-3
+    min_sleep_s: float = 1e-3
+    max_sleep_s: float = 20e-3
+    sleep_fraction: float = 0.05
+    thread_min_bytes: int = 1 << 20
+
+    @classmethod
+    def from_env(cls) -> ProgressPolicy:
+        return cls(spin_s=_env_float("ASYNCLOCK_SPIN_US", 50) * 1e-6,
+                   busy_s=_env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
+                   thread_min_bytes=int(_env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """Exact engine state, for tests and the stall inspector."""
+
+    in_flight: int
+    issued: int
+    completed: int
+    detached: int
+    thread_waits: int
+    poller_running: bool
+
+
+class Engine:
+    """Owns every started operation until it completes on this rank."""
+
+    def __init__(self, policy: ProgressPolicy | None = None) -> None:
+        self.policy = policy or ProgressPolicy.from_env()
+        self.inflight: list[Operation] = []
+        self.lanes: list[Lane] = []
+        self._wake: anyio.Event | None = None
+        self._last_progress = time.perf_counter()
+        self._issued = self._completed = self._detached = self._thread_waits = 0
+        self._waiter: _WaitThread | None = None
+        self._call_soon: Callable[[Callable[[], object]], None] | None = None
+        self.running = False
+
+    # -- submission ------------------------------------------------------------
+    def submit(self, op: Operation) -> Operation:
+        """Start `op` now (caller's order), spin briefly, else hand it to the poller."""
+        op.issued_at = self._last_progress = time.perf_counter()
+        op.start()
+        self._issued += 1
+        if self._spin(op):
+            self._completed += 1
+            return op
+        self.inflight.append(op)
+        if self._wake is not None:
+            self._wake.set()
+        return op
+
+    def _spin(self, op: Operation) -> bool:
+        """Bounded busy test: cheaper than a scheduler round trip for small ops."""
+        deadline = op.issued_at + self.policy.spin_s
+        while True:
+            if op.poll():
+                op.lane.pump(self._issue)
+                if op.done:
+                    return True
+            if time.perf_counter() >= deadline:
+                return False
+
+    def _issue(self, op: Operation) -> None:
+        """Issue op's next data stage; big ones are waited for in a thread."""
+        req = op.issue_next()
+        if req is None or op.state is State.DONE:
+            return
+        if self._waiter is not None and op.stage_bytes >= self.policy.thread_min_bytes:
+            op.threaded = True
+            self._thread_waits += 1
+            self._waiter.put(op, req)
+
+    # -- awaiting --------------------------------------------------------------
+    async def wait(self, op: Operation) -> Any:
+        """Await op's outcome; cancellation detaches us, the op runs on."""
+        if not op.done:
+            if not self.running:
+                self._require_poller(op)
+            if op.waiter is None:
+                op.waiter = anyio.Event()
+            try:
+                await op.waiter.wait()
+            except BaseException:
+                if not op.done:
+                    op.detached = True
+                    self._detached += 1
+                raise
+        return op.outcome()
+
+    def _require_poller(self, op: Operation) -> None:
+        from .errors import NotInitializedError
+
+        raise NotInitializedError(
+            f"{op.describe()} is in flight but no progress engine runs on this loop; "
+            "use `async with asynclock.start()` or `async with coord:`")
+
+    # -- the poller --------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Poll until cancelled; the task group of `start()` owns this task."""
+        self._call_soon = loop_caller()
+        self._waiter = _WaitThread(self._poke)
+        self.running = True
+        task_status.started()
+        try:
+            await self._loop()
+        finally:
+            self.running = False
+            self._waiter.stop()
+            self._waiter = None
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.inflight:
+                await self._sleep_until_woken(None)
+                continue
+            if self.poll_all():
+                self._last_progress = time.perf_counter()
+            waited = time.perf_counter() - self._last_progress
+            if waited < self.policy.busy_s:
+                await anyio.sleep(0)
+            else:
+                await self._sleep_until_woken(self._idle_sleep(waited))
+
+    def _idle_sleep(self, waited: float) -> float:
+        p = self.policy
+        return min(p.max_sleep_s, max(p.min_sleep_s, p.sleep_fraction * waited))
+
+    async def _sleep_until_woken(self, timeout: float | None) -> None:
+        self._wake = wake = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await wake.wait()
+        self._wake = None
+
+    def _poke(self) -> None:
+        """From the wait thread: schedule a wake-up on the loop."""
+        if self._call_soon is not None:
+            self._call_soon(self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._last_progress = time.perf_counter()
+        if self._wake is not None:
+            self._wake.set()
+
+    def poll_all(self) -> bool:
+        """Test every in-flight op once; pump lanes; drop finished ops."""
+        progressed = False
+        for op in self.inflight:
+            if op.poll():
+                progressed = True
+        if not progressed:
+            return False
+        for lane in self.lanes:
+            lane.pump(self._issue)
+        still = [op for op in self.inflight if not op.done]
+        self._completed += len(self.inflight) - len(still)
+        self.inflight = still
+        return True
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(len(self.inflight), self._issued, self._completed,
+                                self._detached, self._thread_waits, self.running)
+
+
+class _WaitThread:
+    """Blocking waits for large data stages, off the loop (GIL released in Wait)."""
+
+    def __init__(self, poke: Callable[[], None]) -> None:
+        self._poke = poke
+        self._queue: queue.SimpleQueue[tuple[Operation, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="asynclock-wait", daemon=True)
+        self._thread.start()
+
+    def put(self, op: Operation, request: Any) -> None:
+        self._queue.put((op, request))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            op, request = item
+            try:
+                request.Wait()
+            except Exception as exc:  # surfaced by the op on the loop
+                op.error = exc
+            op.thread_done = True
+            self._poke()
+
+    def stop(self) -> None:
+        self._queue.put(None)

@@ -1,0 +1,69 @@
+"""Local arithmetic for reductions: rank-ordered folds and half precision.
+
+Small allreduces are folded locally from the gathered contributions in rank
+order, so every rank computes bit-identical results. Half types (float16,
+bfloat16) accumulate in float32 and round once, which is also what the
+large-message path does (it upcasts before MPI, which has no half types).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .ops import BFLOAT16, DTYPE_CODES, FLOAT_CODES, ReduceOp
+
+FLOAT16 = DTYPE_CODES["float16"]
+
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
+          ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
+
+Array = np.ndarray[Any, Any]
+
+
+def to_compute(arr: Array, code: int) -> Array:
+    """View or convert raw storage to an array numpy can do arithmetic on."""
+    if code == BFLOAT16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    if code == FLOAT16:
+        return arr.astype(np.float32)
+    return arr
+
+
+def from_compute(arr: Array, code: int, out: Array) -> None:
+    """Store compute-precision values into raw storage `out` (RNE rounding)."""
+    if code == BFLOAT16:
+        bits = arr.astype(np.float32).view(np.uint32)
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+        nan = np.isnan(arr)
+        out[...] = (rounded >> np.uint32(16)).astype(np.uint16)
+        if nan.any():
+            out[nan] = np.uint16(0x7FC0)
+    elif code == FLOAT16:
+        out[...] = arr.astype(np.float16)
+    else:
+        out[...] = arr
+
+
+def fold(rows: Array, code: int, op: ReduceOp, size: int, out: Array) -> None:
+    """Reduce `rows` (one per rank, rank order) into `out` in the caller's dtype."""
+    acc = _UFUNC[op].reduce(to_compute(rows, code), axis=0)
+    if op is ReduceOp.AVERAGE:
+        acc = divide(acc, code, size)
+    from_compute(acc, code, out)
+
+
+def divide(acc: Array, code: int, size: int) -> Array:
+    """Average = sum / size; integers use floor division, like torch's floor mode."""
+    if code in FLOAT_CODES:
+        return acc / acc.dtype.type(size)
+    return acc // size
+
+
+def finish_average_inplace(arr: Array, code: int, size: int) -> None:
+    """Divide a summed compute-precision buffer in place."""
+    if code in FLOAT_CODES:
+        arr /= arr.dtype.type(size)
+    else:
+        np.floor_divide(arr, size, out=arr)

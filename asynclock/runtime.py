@@ -1,0 +1,291 @@
+"""The per-rank Coordinator: backend choice, lifecycle, rank and size.
+
+`async with asynclock.start() as coord:` runs the progress engine on the
+caller's loop (asyncio or trio). `asynclock.init()` is the Horovod-style
+synchronous entry: it creates the coordinator now, and synchronous calls
+(e.g. from `asynclock.torch`) run the engine on a private loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+
+from .backends.base import Backend
+from .collectives import Collectives
+from .errors import NotInitializedError, ShutdownError
+from .operation import Lane
+from .progress import Engine, EngineStatistics, ProgressPolicy
+
+log = logging.getLogger("asynclock")
+T = TypeVar("T")
+
+_HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER")
+
+
+def under_horovodrun() -> bool:
+    """horovodrun exports HOROVOD_* variables to every worker."""
+    return any(v in os.environ for v in _HOROVOD_ENV)
+
+
+def _horovod_importable() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _mpi_importable() -> bool:
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def choose_backend(name: str) -> str:
+    """`auto`: Horovod under horovodrun when importable, else MPI, else local."""
+    name = os.environ.get("ASYNCLOCK_BACKEND", name) if name == "auto" else name
+    if name != "auto":
+        return name
+    if under_horovodrun() and _horovod_importable():
+        return "horovod"
+    return "mpi" if _mpi_importable() else "local"
+
+
+def make_backend(name: str, comm: Any = None) -> Backend:
+    """Instantiate a backend by name (a collective call on every rank)."""
+    if name == "mpi":
+        from .backends.mpi import MPIBackend
+
+        return MPIBackend(comm)
+    if name == "local":
+        from .backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "horovod":
+        from .backends.horovod import HorovodBackend
+
+        return HorovodBackend(comm)
+    raise ValueError(f"unknown backend {name!r}: use auto, mpi, horovod or local")
+
+
+class Coordinator(Collectives):
+    """One per rank: the backend, the progress engine and the channels."""
+
+    def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
+        self.backend = backend
+        self._engine = Engine(policy)
+        self._lane = self._add_lane("user")
+        self.grad_lane = self._add_lane("grad")
+        self.sync_lane = self._add_lane("sync")
+        self._closed = False
+        self._engine_owner: str | None = None
+        self._portal_cm: Any = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._lock = threading.Lock()
+
+    def _add_lane(self, name: str) -> Lane:
+        lane = Lane(self.backend.channel(name))
+        self._engine.lanes.append(lane)
+        return lane
+
+    # -- identity ----------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def size(self) -> int:
+        return self.backend.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.backend.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.backend.local_size
+
+    @property
+    def cross_rank(self) -> int:
+        return self.backend.cross_rank
+
+    @property
+    def cross_size(self) -> int:
+        return self.backend.cross_size
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def statistics(self) -> EngineStatistics:
+        """In-flight and completed counts of this rank's progress engine."""
+        return self._engine.statistics()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShutdownError("asynclock coordinator was shut down; call init()/start() again")
+
+    # -- running the engine on the caller's loop ----------------------------------
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Coordinator]:
+        """Run the progress engine on the current loop for the block's duration."""
+        self._check_open()
+        self._claim("loop")
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._engine.run)
+                try:
+                    yield self
+                    await self.drain()
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            self._engine_owner = None
+
+    def _claim(self, owner: str) -> None:
+        """One engine per coordinator: two loops would race on collective order."""
+        with self._lock:
+            if self._engine_owner is not None:
+                raise RuntimeError(f"the progress engine already runs on the {self._engine_owner}")
+            self._engine_owner = owner
+
+    async def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every started collective completed on this rank."""
+        with anyio.fail_after(timeout):
+            while self._engine.inflight:
+                await anyio.sleep(0.001)
+
+    # -- synchronous use (Horovod style) ------------------------------------------
+    def run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `fn(*args)` on the engine's private loop thread and wait for it."""
+        return self._sync_portal().call(fn, *args)
+
+    def _sync_portal(self) -> anyio.from_thread.BlockingPortal:
+        self._check_open()
+        if self._portal is None:
+            self._claim("sync loop thread")
+            self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
+            self._portal = self._portal_cm.__enter__()
+            self._portal.call(self._start_engine_task)
+        return self._portal
+
+    async def _start_engine_task(self) -> None:
+        """Inside the portal loop: start the poller as a portal-owned task."""
+        assert self._portal is not None
+        self._portal.start_task_soon(self._engine.run)
+        while not self._engine.running:
+            await anyio.sleep(0)
+
+    def shutdown(self) -> None:
+        """Drain in-flight work, stop the loop thread and free communicators."""
+        if self._closed:
+            return
+        if self._portal is not None:
+            self._portal.call(self.drain)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = None
+            self._engine_owner = None
+        if self._engine.inflight:
+            log.warning("asynclock shutdown with %d collectives in flight", len(self._engine.inflight))
+        self._closed = True
+        self.backend.shutdown()
+
+    async def __aenter__(self) -> Coordinator:
+        self._running_cm = self.running()
+        return await self._running_cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._running_cm.__aexit__(*exc)
+
+
+# -- process-wide coordinator (Horovod style) ------------------------------------
+_global: Coordinator | None = None
+
+
+def init(backend: str = "auto", *, comm: Any = None,
+         policy: ProgressPolicy | None = None) -> Coordinator:
+    """Create this rank's coordinator (idempotent), like `hvd.init()`."""
+    global _global
+    if _global is None or _global._closed:
+        chosen = choose_backend(backend)
+        _global = Coordinator(make_backend(chosen, comm), policy)
+        if _global.rank == 0:
+            log.info("asynclock backend: %s", _global.backend.describe())
+    return _global
+
+
+def coordinator() -> Coordinator:
+    """The coordinator made by `init()`/`start()`; clear error before that."""
+    if _global is None:
+        raise NotInitializedError("asynclock is not initialized: call asynclock.init() "
+                                  "or use `async with asynclock.start()`")
+    if _global._closed:
+        raise ShutdownError("asynclock was shut down; call asynclock.init() again")
+    return _global
+
+
+def is_initialized() -> bool:
+    return _global is not None and not _global._closed
+
+
+def shutdown() -> None:
+    """Shut the process-wide coordinator down (idempotent)."""
+    global _global
+    if _global is not None:
+        _global.shutdown()
+        _global = None
+
+
+@asynccontextmanager
+async def start(backend: str = "auto", *, comm: Any = None,
+                policy: ProgressPolicy | None = None,
+                shutdown_on_exit: bool = True) -> AsyncIterator[Coordinator]:
+    """`async with asynclock.start() as coord:` on asyncio or trio.
+
+    Creating communicators is a blocking collective, so it runs in a worker
+    thread: the loop (and the user's side tasks) stay live while late ranks
+    arrive.
+    """
+    coord = _global if is_initialized() else None
+    if coord is None:
+        coord = await anyio.to_thread.run_sync(lambda: init(backend, comm=comm, policy=policy))
+    try:
+        async with coord.running():
+            yield coord
+    finally:
+        if shutdown_on_exit:
+            await anyio.to_thread.run_sync(shutdown)
+
+
+def rank() -> int:
+    return coordinator().rank
+
+
+def size() -> int:
+    return coordinator().size
+
+
+def local_rank() -> int:
+    return coordinator().local_rank
+
+
+def local_size() -> int:
+    return coordinator().local_size
+
+
+def cross_rank() -> int:
+    return coordinator().cross_rank
+
+
+def cross_size() -> int:
+    return coordinator().cross_size

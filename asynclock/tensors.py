@@ -1,0 +1,134 @@
+"""Adapt torch tensors and numpy arrays to contiguous numpy buffers.
+
+Every transport works on numpy views that share memory with the caller's
+object, so in-place collectives write straight into the user's tensor.
+Validation failures carry a small code, because a rank that rejects its
+input still joins the header round and tells the others why.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError
+from .ops import BFLOAT16, DTYPE_CODES, DTYPE_NAMES, NUMPY_OF_CODE
+
+
+class InputFault(enum.IntEnum):
+    """Why a rank rejected its own input; sent to the other ranks."""
+
+    NONE = 0
+    NON_CONTIGUOUS = 1
+    UNSUPPORTED_DTYPE = 2
+    WRONG_DEVICE = 3
+    NOT_A_TENSOR = 4
+    READ_ONLY = 5
+    BAD_ARGUMENT = 6
+
+
+FAULT_TEXT = {
+    InputFault.NON_CONTIGUOUS: "tensor is not contiguous (call .contiguous() first)",
+    InputFault.UNSUPPORTED_DTYPE: "dtype is not supported",
+    InputFault.WRONG_DEVICE: "tensor is on a device this transport cannot reach",
+    InputFault.NOT_A_TENSOR: "argument is not a torch tensor or numpy array",
+    InputFault.READ_ONLY: "in-place target is read-only",
+    InputFault.BAD_ARGUMENT: "invalid argument",
+}
+
+
+class InputRejected(InvalidInputError):
+    """A local validation failure, with the code other ranks will see."""
+
+    def __init__(self, fault: InputFault, detail: str) -> None:
+        super().__init__(f"{FAULT_TEXT[fault]}: {detail}")
+        self.fault = fault
+
+
+_NUMPY_CODES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+                np.dtype(np.float64): "float64", np.dtype(np.int8): "int8",
+                np.dtype(np.uint8): "uint8", np.dtype(np.int16): "int16",
+                np.dtype(np.int32): "int32", np.dtype(np.int64): "int64"}
+
+
+@dataclass(slots=True)
+class Buffer:
+    """A contiguous numpy view of the caller's data plus how to wrap results."""
+
+    array: np.ndarray[Any, Any]
+    code: int
+    shape: tuple[int, ...]
+    wrap: Callable[[np.ndarray[Any, Any]], Any]
+
+
+def _torch() -> Any:
+    """Return the torch module only if the caller already imported it."""
+    return sys.modules.get("torch")
+
+
+def as_buffer(obj: Any, *, writable: bool = False) -> Buffer:
+    """Validate `obj` and view it as a flat numpy buffer sharing its memory."""
+    if isinstance(obj, np.ndarray):
+        return _numpy_buffer(obj, writable)
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_buffer(obj, torch)
+    raise InputRejected(InputFault.NOT_A_TENSOR, f"got {type(obj).__name__}")
+
+
+def _numpy_buffer(arr: np.ndarray[Any, Any], writable: bool) -> Buffer:
+    """numpy: C-contiguous arrays of the supported dtypes only."""
+    name = _NUMPY_CODES.get(arr.dtype)
+    if name is None:
+        raise InputRejected(InputFault.UNSUPPORTED_DTYPE, f"numpy dtype {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise InputRejected(InputFault.NON_CONTIGUOUS, f"numpy array of shape {arr.shape}")
+    if writable and not arr.flags.writeable:
+        raise InputRejected(InputFault.READ_ONLY, f"numpy array of shape {arr.shape}")
+    return Buffer(arr.reshape(-1), DTYPE_CODES[name], tuple(arr.shape), _wrap_numpy)
+
+
+def _wrap_numpy(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return arr
+
+
+_TORCH_NAMES = ("float16", "float32", "float64", "bfloat16", "int8", "uint8", "int16",
+                "int32", "int64")
+
+
+def _torch_buffer(t: Any, torch: Any) -> Buffer:
+    """torch: CPU, contiguous, supported dtype; bfloat16 travels as raw bits."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _TORCH_NAMES:
+        raise InputRejected(InputFault.UNSUPPORTED_DTYPE, f"torch dtype {t.dtype}")
+    if t.device.type != "cpu":
+        raise InputRejected(InputFault.WRONG_DEVICE,
+                            f"{t.device} tensor; stage it with .cpu() or use asynclock.cuda")
+    if not t.is_contiguous():
+        raise InputRejected(InputFault.NON_CONTIGUOUS, f"torch tensor of shape {tuple(t.shape)}")
+    code = DTYPE_CODES[name]
+    flat = t.detach().reshape(-1)
+    arr = flat.view(torch.int16).numpy().view(np.uint16) if code == BFLOAT16 else flat.numpy()
+    return Buffer(arr, code, tuple(t.shape), _torch_wrapper(code, torch))
+
+
+def _torch_wrapper(code: int, torch: Any) -> Callable[[np.ndarray[Any, Any]], Any]:
+    """Results come back as torch tensors of the caller's dtype."""
+    if code == BFLOAT16:
+        return lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy  # type: ignore[no-any-return]
+
+
+def empty_like_code(code: int, n: int) -> np.ndarray[Any, Any]:
+    """Allocate a flat numpy buffer able to hold `n` elements of dtype `code`."""
+    return np.empty(n, NUMPY_OF_CODE[code])
+
+
+def describe(code: int, shape: tuple[int, ...]) -> str:
+    """Text such as `float32[4, 3]` used in mismatch messages."""
+    return f"{DTYPE_NAMES[code]}{list(shape)}"

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Build Horovod from the PyPI sdist against this venv's torch and a chosen MPI.
+
+Why build: there are no Horovod wheels on PyPI, the 0.28.1 sdist predates
+torch 2.x's C++17 requirement and CMake 4's policy floor, and Horovod must
+link the *same* libmpi that mpi4py loads (MPI4PY_LIBMPI), or hvd.init() and
+mpi4py end up in two different MPI worlds.  The wheel is cached under
+$ASYNCLOCK_CACHE/horovod (default ~/.cache/asynclock/horovod) keyed by
+(horovod, torch, MPI vendor+version+libmpi, python), so a re-run with the same
+key only checks and exits in seconds.
+
+Usage::
+
+    python3 mpi/build_horovod.py [--mpi system|embedded|auto] [--force]
+                                 [--jobs 2] [--no-verify]
+
+Default MPI is 'system' (Debian Open MPI): horovodrun's MPI controller only
+recognises Open MPI here.  Run mpi/install_system_mpi.sh first.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# mpi/select.py shadows the stdlib `select` (subprocess imports it): keep the
+# stdlib first on sys.path, mpi/ last (for mpi_select).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tarfile  # noqa: E402
+import time  # noqa: E402
+
+import mpi_select  # noqa: E402
+
+HOROVOD_VERSION = "0.28.1"
+RUNTIME_DEPS = ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi"]
+BUILD_ENV = {
+    "HOROVOD_WITH_PYTORCH": "1",
+    "HOROVOD_WITH_MPI": "1",
+    "HOROVOD_WITH_GLOO": "1",
+    "HOROVOD_WITHOUT_TENSORFLOW": "1",
+    "HOROVOD_WITHOUT_MXNET": "1",
+    "HOROVOD_CPU_OPERATIONS": "MPI",
+    "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
+}
+STAMP_NAME = "asynclock-horovod-key.json"
+
+
+def log(msg: str) -> None:
+    """Print a progress line at once (the build is long; buffering hides it)."""
+    print(f"[build_horovod] {msg}", flush=True)
+
+
+def venv_python() -> Path:
+    """Return the python of the venv that gets Horovod (it owns torch)."""
+    return mpi_select.venv_prefix() / "bin" / "python"
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, nice: int = 0,
+        capture: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a command, echoing it; fail loudly with its output on error."""
+    log("$ " + " ".join(cmd))
+    preexec = (lambda: os.nice(nice)) if nice else None
+    proc = subprocess.run(cmd, env=env, cwd=cwd, text=True, preexec_fn=preexec,
+                          stdout=subprocess.PIPE if capture else None,
+                          stderr=subprocess.STDOUT if capture else None)
+    if proc.returncode != 0:
+        if capture:
+            print(proc.stdout, file=sys.stderr)
+        raise SystemExit(f"[build_horovod] command failed ({proc.returncode}): {' '.join(cmd)}")
+    return proc
+
+
+def py_query(code: str, env: dict[str, str] | None = None) -> str:
+    """Evaluate a snippet in the venv python and return its stripped stdout."""
+    out = subprocess.run([str(venv_python()), "-c", code], env=env, text=True,
+                         capture_output=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def mpi_library_version(libmpi: str) -> str:
+    """Return MPI_Get_library_version's first line (callable before MPI_Init)."""
+    lib = ctypes.CDLL(libmpi, mode=os.RTLD_LOCAL)
+    buf = ctypes.create_string_buffer(8192)
+    length = ctypes.c_int(0)
+    if lib.MPI_Get_library_version(buf, ctypes.byref(length)) != 0:
+        return "unknown"
+    return buf.value.decode(errors="replace").strip().splitlines()[0].strip()
+
+
+def build_key(version: str, kind: str) -> dict[str, str]:
+    """Collect what the built wheel depends on: change any, rebuild."""
+    info = mpi_select.describe(kind)
+    return {
+        "horovod": version,
+        "torch": py_query("import torch; print(torch.__version__)") or "missing",
+        "mpi_kind": info["kind"],
+        "mpi_vendor": info["vendor"],
+        "mpi_version": mpi_library_version(info["libmpi"]),
+        "libmpi": os.path.realpath(info["libmpi"]),
+        "python": py_query("import sys; print('%d.%d.%d' % sys.version_info[:3])"),
+    }
+
+
+def key_dir(key: dict[str, str]) -> Path:
+    """Return the cache dir of one key: readable prefix + hash of the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    slug = f"horovod-{key['horovod']}_torch-{key['torch']}_{key['mpi_kind']}_py{key['python']}"
+    slug = re.sub(r"[^A-Za-z0-9._+-]", "_", slug)
+    return mpi_select.cache_root() / "horovod" / f"{slug}_{digest}"
+
+
+def cached_wheel(kdir: Path) -> Path | None:
+    """Return the cached wheel of a key, if a previous build finished."""
+    wheels = sorted(kdir.glob("horovod-*.whl"))
+    return wheels[-1] if wheels and (kdir / "key.json").exists() else None
+
+
+def stamp_path() -> Path:
+    """Return where we record which key is installed in the venv."""
+    return mpi_select.venv_prefix() / STAMP_NAME
+
+
+def installed_matches(key: dict[str, str]) -> bool:
+    """True when the venv has Horovod installed from a wheel of this key."""
+    try:
+        stamp = json.loads(stamp_path().read_text())
+    except (OSError, ValueError):
+        return False
+    have = py_query("import importlib.metadata as m; print(m.version('horovod'))")
+    return stamp == key and have.split("+")[0] == key["horovod"]
+
+
+def ensure_runtime_deps() -> None:
+    """Install horovodrun's python deps (never torch: they don't need it)."""
+    probe = "import cloudpickle, psutil, yaml, packaging, cffi"
+    if subprocess.run([str(venv_python()), "-c", probe], capture_output=True).returncode == 0:
+        log("runtime deps present: " + ", ".join(RUNTIME_DEPS))
+        return
+    run([str(venv_python()), "-m", "pip", "install", "-q", *RUNTIME_DEPS])
+
+
+def ensure_cmake(env: dict[str, str]) -> str:
+    """Return a cmake >= 3.13 (system one if fine, else pip cmake in the venv)."""
+    for cand in (shutil.which("cmake", path=env["PATH"]),):
+        if cand and _cmake_version(cand) >= (3, 13):
+            return cand
+    run([str(venv_python()), "-m", "pip", "install", "-q", "cmake"])
+    return str(mpi_select.venv_prefix() / "bin" / "cmake")
+
+
+def _cmake_version(cmake: str) -> tuple[int, ...]:
+    """Return cmake's version as a tuple ((0,) when it does not run)."""
+    try:
+        out = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return (0,)
+    match = re.search(r"version\s+(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in match.groups()) if match else (0,)
+
+
+def fetch_sdist(version: str) -> Path:
+    """Download (once) the Horovod sdist into the cache and return its path."""
+    sdist_dir = mpi_select.cache_root() / "horovod" / "sdist"
+    tarball = sdist_dir / f"horovod-{version}.tar.gz"
+    if tarball.exists():
+        log(f"sdist cached: {tarball}")
+        return tarball
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    run([str(venv_python()), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+         "--no-build-isolation", f"horovod=={version}", "-d", str(sdist_dir)])
+    return tarball
+
+
+def unpack_and_patch(tarball: Path, workdir: Path) -> Path:
+    """Unpack the sdist and apply the C++17 patch torch 2.x needs."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    with tarfile.open(tarball) as tar:
+        if hasattr(tarfile, "data_filter"):  # 3.11.4+: refuse odd members
+            tar.extractall(workdir, filter="data")
+        else:
+            tar.extractall(workdir)
+    src = next(workdir.glob("horovod-*"))
+    for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+        path = src / rel
+        text = path.read_text()
+        patched = text.replace("CMAKE_CXX_STANDARD 14", "CMAKE_CXX_STANDARD 17")
+        log(f"patch {rel}: C++14 -> C++17 ({text.count('CMAKE_CXX_STANDARD 14')} place(s))")
+        path.write_text(patched)
+    return src
+
+
+def build_env(kind: str, jobs: int, cmake: str) -> dict[str, str]:
+    """Return the environment for the wheel build: chosen MPI first on PATH.
+
+    CMake's FindMPI searches mpiexec/mpicc on PATH; the selected MPI's bin dir
+    (Open MPI shims or the venv bin) comes first so it wins.  MPI_HOME is a
+    second hint for FindMPI.
+    """
+    env = mpi_select.environ_for(kind)
+    env.update(BUILD_ENV)
+    env["MAKEFLAGS"] = f"-j{jobs}"
+    info = mpi_select.describe(kind)
+    env["MPI_HOME"] = "/usr" if info["kind"] == "system" else str(mpi_select.venv_prefix())
+    cmake_dir = str(Path(cmake).parent)
+    if shutil.which("cmake", path=env["PATH"]) != cmake:
+        env["PATH"] = os.pathsep.join([env["PATH"], cmake_dir])
+    return env
+
+
+def build_wheel(version: str, kind: str, kdir: Path, jobs: int, nice: int) -> Path:
+    """Build the wheel into kdir (via a scratch dir, so a failed build leaves no wheel)."""
+    tarball = fetch_sdist(version)
+    env0 = mpi_select.environ_for(kind)
+    cmake = ensure_cmake(env0)
+    log(f"cmake: {cmake} {'.'.join(map(str, _cmake_version(cmake)))}")
+    src = unpack_and_patch(tarball, kdir.parent / "build" / kdir.name)
+    env = build_env(kind, jobs, cmake)
+    log("mpicc on PATH: " + str(shutil.which("mpicc", path=env["PATH"])))
+    out = kdir.parent / "build" / (kdir.name + ".out")
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.monotonic()
+    run([str(venv_python()), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(src)], env=env, nice=nice)
+    log(f"build time: {time.monotonic() - start:.0f} s")
+    wheel = next(out.glob("horovod-*.whl"))
+    kdir.mkdir(parents=True, exist_ok=True)
+    final = kdir / wheel.name
+    shutil.move(str(wheel), final)
+    return final
+
+
+def install_wheel(wheel: Path, key: dict[str, str]) -> None:
+    """pip install the wheel without deps (so torch is never touched)."""
+    run([str(venv_python()), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+         str(wheel)])
+    stamp_path().write_text(json.dumps(key, indent=2, sort_keys=True))
+
+
+def verify(kind: str) -> None:
+    """Check Horovod imports, initialises, and reports MPI+Gloo built."""
+    env = mpi_select.environ_for(kind)
+    code = ("import horovod.torch as hvd; hvd.init(); "
+            "print('mpi_built', hvd.mpi_built(), 'gloo_built', hvd.gloo_built(), "
+            "'size', hvd.size()); hvd.shutdown()")
+    run([str(venv_python()), "-c", code], env=env)
+    horovodrun = str(mpi_select.venv_prefix() / "bin" / "horovodrun")
+    run([horovodrun, "--check-build"], env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: build (or reuse) the wheel, install it, verify it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mpi", default="system", choices=mpi_select.KINDS + ("auto",))
+    parser.add_argument("--version", default=HOROVOD_VERSION)
+    parser.add_argument("--jobs", type=int, default=2, help="MAKEFLAGS=-jN (default 2)")
+    parser.add_argument("--nice", type=int, default=10, help="niceness of the build (default 10)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--no-verify", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    kind = mpi_select.resolve(args.mpi)
+    info = mpi_select.describe(kind)
+    if not info["available"]:
+        raise SystemExit(f"[build_horovod] {info['reason']}")
+    ensure_runtime_deps()
+    key = build_key(args.version, kind)
+    kdir = key_dir(key)
+    log("key: " + json.dumps(key, sort_keys=True))
+    if not args.force and installed_matches(key) and cached_wheel(kdir):
+        log(f"up to date: {cached_wheel(kdir)} (nothing to do, {time.monotonic() - start:.1f} s)")
+        return 0
+    wheel = None if args.force else cached_wheel(kdir)
+    if wheel is None:
+        wheel = build_wheel(args.version, kind, kdir, args.jobs, args.nice)
+        (kdir / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True))
+    else:
+        log(f"using cached wheel {wheel}")
+    install_wheel(wheel, key)
+    if not args.no_verify:
+        verify(kind)
+    log(f"done in {time.monotonic() - start:.0f} s; wheel {wheel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
