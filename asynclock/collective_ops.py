@@ -34,6 +34,13 @@ def _rows_of(payload: Array, code: int, n: int) -> Array:
     return np.ascontiguousarray(payload[:, :width]).view(NUMPY_OF_CODE[code])
 
 
+def _result(buf: Buffer, out: Array) -> Any:
+    """In-place collectives hand back the caller's own object."""
+    if out is buf.array:
+        return buf.source
+    return buf.wrap(out.reshape(buf.shape))
+
+
 class AllreduceOp(Operation):
     """Sum/average/min/max/product; in place when `out` is the input buffer."""
 
@@ -67,7 +74,7 @@ class AllreduceOp(Operation):
                 finish_average_inplace(target, code, self.lane.size)
             if self.work is not None:
                 from_compute(self.work, code, self.out)
-        return self.buf.wrap(self.out.reshape(self.buf.shape))
+        return _result(self.buf, self.out)
 
 
 class BroadcastOp(Operation):
@@ -92,7 +99,7 @@ class BroadcastOp(Operation):
         return [lambda: self.lane.transport.ibcast(self.out, self.root)]
 
     def finish(self) -> Any:
-        return self.buf.wrap(self.out.reshape(self.buf.shape))
+        return _result(self.buf, self.out)
 
 
 class AllgatherOp(Operation):

@@ -141,16 +141,21 @@ class Coordinator(Collectives):
         """Run the progress engine on the current loop for the block's duration."""
         self._check_open()
         self._claim("loop")
+        body_error: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._engine.run)
                 try:
                     yield self
                     await self.drain()
+                except BaseException as exc:  # re-raised bare, not in an ExceptionGroup
+                    body_error = exc
                 finally:
                     tg.cancel_scope.cancel()
         finally:
             self._engine_owner = None
+        if body_error is not None:
+            raise body_error
 
     def _claim(self, owner: str) -> None:
         """One engine per coordinator: two loops would race on collective order."""

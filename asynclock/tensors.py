@@ -64,6 +64,7 @@ class Buffer:
     code: int
     shape: tuple[int, ...]
     wrap: Callable[[np.ndarray[Any, Any]], Any]
+    source: Any = None  # the caller's object: what in-place collectives return
 
 
 def _torch() -> Any:
@@ -90,7 +91,7 @@ def _numpy_buffer(arr: np.ndarray[Any, Any], writable: bool) -> Buffer:
         raise InputRejected(InputFault.NON_CONTIGUOUS, f"numpy array of shape {arr.shape}")
     if writable and not arr.flags.writeable:
         raise InputRejected(InputFault.READ_ONLY, f"numpy array of shape {arr.shape}")
-    return Buffer(arr.reshape(-1), DTYPE_CODES[name], tuple(arr.shape), _wrap_numpy)
+    return Buffer(arr.reshape(-1), DTYPE_CODES[name], tuple(arr.shape), _wrap_numpy, arr)
 
 
 def _wrap_numpy(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -114,7 +115,7 @@ def _torch_buffer(t: Any, torch: Any) -> Buffer:
     code = DTYPE_CODES[name]
     flat = t.detach().reshape(-1)
     arr = flat.view(torch.int16).numpy().view(np.uint16) if code == BFLOAT16 else flat.numpy()
-    return Buffer(arr, code, tuple(t.shape), _torch_wrapper(code, torch))
+    return Buffer(arr, code, tuple(t.shape), _torch_wrapper(code, torch), t)
 
 
 def _torch_wrapper(code: int, torch: Any) -> Callable[[np.ndarray[Any, Any]], Any]:

@@ -36,7 +36,9 @@ import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tarfile  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+import zipfile  # noqa: E402
 
 import mpi_select  # noqa: E402
 
@@ -114,8 +116,23 @@ def key_dir(key: dict[str, str]) -> Path:
     """Return the cache dir of one key: readable prefix + hash of the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     slug = f"horovod-{key['horovod']}_torch-{key['torch']}_{key['mpi_kind']}_py{key['python']}"
-    slug = re.sub(r"[^A-Za-z0-9._+-]", "_", slug)
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", slug)  # no '+': see build_dir()
     return mpi_select.cache_root() / "horovod" / f"{slug}_{digest}"
+
+
+def build_dir(kdir: Path) -> Path:
+    """Return a scratch dir for the build whose path is regex-safe.
+
+    Horovod's cmake/Utilities.cmake strips PROJECT_SOURCE_DIR from paths with
+    string(REGEX REPLACE ...): a '+' (e.g. 'torch-2.13.0+cpu') or other regex
+    character in the source path makes the .so land under
+    build/lib*/<absolute path>/horovod/torch/ and the wheel ships no
+    extension.  The dir is stable per key so a retried build is incremental.
+    """
+    path = kdir.parent / "build" / kdir.name
+    if re.fullmatch(r"[A-Za-z0-9._/-]+", str(path)):
+        return path
+    return Path(tempfile.gettempdir()) / "asynclock-horovod-build" / kdir.name[-12:]
 
 
 def cached_wheel(kdir: Path) -> Path | None:
@@ -181,7 +198,15 @@ def fetch_sdist(version: str) -> Path:
 
 
 def unpack_and_patch(tarball: Path, workdir: Path) -> Path:
-    """Unpack the sdist and apply the C++17 patch torch 2.x needs."""
+    """Unpack the sdist and apply the C++17 patch torch 2.x needs.
+
+    A source tree left by an earlier (failed) try is reused as is: tar keeps
+    mtimes, so make only redoes what is missing.
+    """
+    marker = workdir / ".asynclock-patched"
+    if marker.exists():
+        log(f"reusing patched source in {workdir}")
+        return next(workdir.glob("horovod-*/"))
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -197,6 +222,7 @@ def unpack_and_patch(tarball: Path, workdir: Path) -> Path:
         patched = text.replace("CMAKE_CXX_STANDARD 14", "CMAKE_CXX_STANDARD 17")
         log(f"patch {rel}: C++14 -> C++17 ({text.count('CMAKE_CXX_STANDARD 14')} place(s))")
         path.write_text(patched)
+    marker.touch()
     return src
 
 
@@ -224,27 +250,42 @@ def build_wheel(version: str, kind: str, kdir: Path, jobs: int, nice: int) -> Pa
     env0 = mpi_select.environ_for(kind)
     cmake = ensure_cmake(env0)
     log(f"cmake: {cmake} {'.'.join(map(str, _cmake_version(cmake)))}")
-    src = unpack_and_patch(tarball, kdir.parent / "build" / kdir.name)
+    scratch = build_dir(kdir)
+    src = unpack_and_patch(tarball, scratch / "src")
     env = build_env(kind, jobs, cmake)
     log("mpicc on PATH: " + str(shutil.which("mpicc", path=env["PATH"])))
-    out = kdir.parent / "build" / (kdir.name + ".out")
+    out = scratch / "wheel"
     shutil.rmtree(out, ignore_errors=True)
     start = time.monotonic()
     run([str(venv_python()), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(src)], env=env, nice=nice)
+         "--no-cache-dir", "-w", str(out), str(src)], env=env, nice=nice)
     log(f"build time: {time.monotonic() - start:.0f} s")
     wheel = next(out.glob("horovod-*.whl"))
+    check_wheel(wheel)
     kdir.mkdir(parents=True, exist_ok=True)
     final = kdir / wheel.name
     shutil.move(str(wheel), final)
+    shutil.rmtree(scratch, ignore_errors=True)
     return final
 
 
-def install_wheel(wheel: Path, key: dict[str, str]) -> None:
+def check_wheel(wheel: Path) -> None:
+    """Refuse to cache a wheel without horovod/torch/mpi_lib_v2*.so in place."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    good = [n for n in names if re.fullmatch(r"horovod/torch/mpi_lib_v2[^/]*\.so", n)]
+    if not good:
+        stray = [n for n in names if n.endswith(".so")]
+        raise SystemExit(f"[build_horovod] {wheel.name} lacks horovod/torch/mpi_lib_v2*.so "
+                         f"(shared objects in it: {stray})")
+    log(f"wheel ok: {good[0]}")
+
+
+def install_wheel(wheel: Path) -> None:
     """pip install the wheel without deps (so torch is never touched)."""
+    stamp_path().unlink(missing_ok=True)
     run([str(venv_python()), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
          str(wheel)])
-    stamp_path().write_text(json.dumps(key, indent=2, sort_keys=True))
 
 
 def verify(kind: str) -> None:
@@ -286,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         (kdir / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True))
     else:
         log(f"using cached wheel {wheel}")
-    install_wheel(wheel, key)
+    install_wheel(wheel)
     if not args.no_verify:
         verify(kind)
+    stamp_path().write_text(json.dumps(key, indent=2, sort_keys=True))  # only once it works
     log(f"done in {time.monotonic() - start:.0f} s; wheel {wheel}")
     return 0
 

@@ -11,9 +11,11 @@ Two MPIs can live on a machine here, and mixing them silently breaks things
   ``mpi/install_system_mpi.sh``.  horovodrun's MPI controller needs it.
 
 mpi4py 4 picks its libmpi at *run time* (``MPI4PY_LIBMPI``), and by default
-finds the venv's MPICH first, so launching with Open MPI's ``mpirun`` without
-that variable gives N singletons.  This module therefore always hands out the
-launcher and the environment together.
+finds the venv's MPICH first.  Open MPI's ``mpirun`` + MPICH libmpi aborts in
+MPI_Init ("unsupported PMI version PMIx"); MPICH's ``mpiexec`` + Open MPI
+libmpi silently gives N singletons of size 1 (with only a RuntimeWarning).
+This module therefore always hands out the launcher and the environment
+together.
 
 Command line (stdlib only, any python3; `select.py` is a thin alias)::
 
@@ -38,8 +40,8 @@ import os
 import shlex
 import sys
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 KINDS = ("embedded", "system")
 REPO_ROOT = Path(__file__).resolve().parent.parent

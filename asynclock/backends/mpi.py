@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from ..ops import ReduceOp
 from .base import Array, Request
 
@@ -30,6 +32,17 @@ def _displs(counts: list[int]) -> list[int]:
     return out
 
 
+def _bytes(arr: Array) -> Array:
+    """Data that is only moved, not reduced, travels as bytes: no MPI datatype
+    is needed for float16 or bfloat16 (Open MPI 4 has none)."""
+    return arr.view(np.uint8)
+
+
+def _scaled(counts: list[int], arr: Array) -> list[int]:
+    size = arr.itemsize
+    return counts if size == 1 else [c * size for c in counts]
+
+
 class MPIChannel:
     """One subsystem's private header and data communicators."""
 
@@ -50,10 +63,12 @@ class MPIChannel:
         return self.data.Iallreduce(src, recv, _mpi_op(op))  # type: ignore[no-any-return]
 
     def ibcast(self, buf: Array, root: int) -> Request:
-        return self.data.Ibcast(buf, root)  # type: ignore[no-any-return]
+        return self.data.Ibcast(_bytes(buf), root)  # type: ignore[no-any-return]
 
     def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
-        return self.data.Iallgatherv(send, [recv, (counts, _displs(counts))])  # type: ignore[no-any-return]
+        counts = _scaled(counts, recv)
+        return self.data.Iallgatherv(  # type: ignore[no-any-return]
+            _bytes(send), [_bytes(recv), (counts, _displs(counts))])
 
     def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
                         op: ReduceOp) -> Request:
@@ -64,8 +79,9 @@ class MPIChannel:
 
     def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
                    rcounts: list[int]) -> Request:
+        scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
         return self.data.Ialltoallv(  # type: ignore[no-any-return]
-            [send, (scounts, _displs(scounts))], [recv, (rcounts, _displs(rcounts))])
+            [_bytes(send), (scounts, _displs(scounts))], [_bytes(recv), (rcounts, _displs(rcounts))])
 
     def ibarrier(self) -> Request:
         return self.hdr.Ibarrier()  # type: ignore[no-any-return]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up .venv with everything asynclock needs; idempotent, pip-only (no root).
+#   bash launch/setup.sh            # core + embedded MPI (pip mpich) + torch 2.13 CPU
+#   ASYNCLOCK_SETUP_SYSTEM_MPI=1    # also apt-install Debian Open MPI (root), for horovodrun
+#   ASYNCLOCK_SETUP_HOROVOD=1       # also build Horovod 0.28.1 against torch and that MPI
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+log() { printf '[setup] %s\n' "$*"; }
+
+[ -x .venv/bin/python ] || { log "creating .venv"; "$PY" -m venv .venv; }
+VPY=.venv/bin/python
+pipi() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+
+# torch: the pinned CPU build; a looser pin would pull a multi-GB CUDA build.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  log "installing torch==2.13.0 (CPU)"
+  pipi "torch==2.13.0" || pipi "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+fi
+
+want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout tqdm matplotlib scikit-learn)
+missing=()
+for pkg in "${want[@]}"; do
+  mod=${pkg//-/_}; [ "$pkg" = scikit-learn ] && mod=sklearn; [ "$pkg" = pytest-timeout ] && mod=pytest_timeout
+  [ "$pkg" = mpich ] && { ls .venv/lib/libmpi.so* >/dev/null 2>&1 || missing+=("$pkg"); continue; }
+  "$VPY" -c "import $mod" 2>/dev/null || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then log "installing ${missing[*]}"; pipi "${missing[@]}"; fi
+
+if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then bash mpi/install_system_mpi.sh; fi
+"$VPY" -c "import asynclock" 2>/dev/null || pipi --no-deps --no-build-isolation -e .
+if [ "${ASYNCLOCK_SETUP_HOROVOD:-0}" = 1 ]; then "$VPY" mpi/build_horovod.py; fi
+log "ready: $("$VPY" mpi/select.py describe 2>/dev/null | head -1 || echo 'MPI kit not found')"

@@ -1,0 +1,69 @@
+"""Start real MPI jobs from tests, with a hard timeout and every rank's output.
+
+Each rank program prints `RANK <r> OK <label>` lines; tests assert on them,
+so a job that exits 0 without doing the work still fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+sys.path.insert(0, str(ROOT / "mpi"))
+import mpi_select  # noqa: E402
+
+MPI_KIND = os.environ.get("ASYNCLOCK_TEST_MPI", "auto")
+
+
+@dataclass
+class Job:
+    """Outcome of one mpiexec run."""
+
+    returncode: int
+    output: str
+    cmd: list[str]
+
+    def ok_lines(self, label: str) -> set[int]:
+        """Ranks that printed `RANK r OK label`."""
+        ranks = set()
+        for line in self.output.splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[0] == "RANK" and parts[2] == "OK" and parts[3] == label:
+                ranks.add(int(parts[1]))
+        return ranks
+
+    def explain(self) -> str:
+        return f"command: {' '.join(self.cmd)}\nexit: {self.returncode}\n--- output ---\n{self.output}"
+
+
+def run_job(program: str, nranks: int, *args: str, timeout: float = 120,
+            env: dict[str, str] | None = None, kind: str = MPI_KIND,
+            launcher: list[str] | None = None) -> Job:
+    """Run tests/programs/<program> on `nranks` ranks; kill the job on timeout."""
+    full_env = mpi_select.environ_for(kind)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                     "PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")})
+    full_env.update(env or {})
+    prefix = launcher if launcher is not None else mpi_select.launcher(kind, nranks)
+    cmd = [*prefix, sys.executable, str(PROGRAMS / program), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        return Job(-9, out + f"\n*** TIMEOUT after {timeout}s: job killed ***", cmd)
+    return Job(proc.returncode, out, cmd)
+
+
+def assert_all_ok(job: Job, nranks: int, label: str = "done") -> None:
+    """Exit 0 and every rank reported `label`."""
+    assert job.returncode == 0, job.explain()
+    missing = set(range(nranks)) - job.ok_lines(label)
+    assert not missing, f"ranks {sorted(missing)} did not report {label!r}\n" + job.explain()

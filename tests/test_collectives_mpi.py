@@ -1,0 +1,30 @@
+"""Real multi-rank jobs: every collective, dtype and op at 1, 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+from mpijob import assert_all_ok, run_job
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_collectives_matrix(nranks: int, loop: str) -> None:
+    args = ["--trio"] if loop == "trio" else []
+    job = run_job("collectives_matrix.py", nranks, *args, timeout=240)
+    assert_all_ok(job, nranks)
+    for label in ("check_allreduce", "check_broadcast", "check_allgather",
+                  "check_reduce_scatter_alltoall", "check_many_in_flight"):
+        assert job.ok_lines(label) == set(range(nranks)), job.explain()
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_bad_input_errors_on_every_rank(nranks: int) -> None:
+    job = run_job("bad_input.py", nranks, timeout=120)
+    assert_all_ok(job, nranks)
+    labels = ["dtype_unsupported", "root", "not_tensor", "after_shutdown", "not_initialized"]
+    if nranks > 1:
+        labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "kind", "name", "device"]
+    for label in labels:
+        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"

@@ -1,0 +1,106 @@
+"""In-process unit tests: headers, local arithmetic, input validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asynclock.errors import MismatchError, RemoteInputError
+from asynclock.header import SLOT_WORDS, WORDS, Call, check, label, pack
+from asynclock.ops import DTYPE_CODES, Kind, ReduceOp, as_reduce_op
+from asynclock.reduce import fold, from_compute, to_compute
+from asynclock.tensors import InputFault, InputRejected, as_buffer
+
+
+def _rows(*calls: Call) -> np.ndarray:
+    rows = np.zeros((len(calls), SLOT_WORDS), np.int64)
+    for i, call in enumerate(calls):
+        pack(call, rows[i])
+    return rows[:, :WORDS]
+
+
+def test_matching_headers_pass() -> None:
+    a = Call(Kind.ALLREDUCE, 3, op=1, dtype=2, shape=(4, 5), nbytes=80, name="w")
+    check(_rows(a, a, a), Kind.ALLREDUCE)
+
+
+def test_shape_mismatch_names_every_rank() -> None:
+    a = Call(Kind.ALLREDUCE, 3, op=1, dtype=2, shape=(4, 5), name="w")
+    b = Call(Kind.ALLREDUCE, 3, op=1, dtype=2, shape=(4, 6), name="w")
+    with pytest.raises(MismatchError) as err:
+        check(_rows(a, b, a), Kind.ALLREDUCE)
+    text = str(err.value)
+    assert "ranks 0,2: #3 allreduce(sum) float32[4, 5] name='w'" in text
+    assert "rank 1: #3 allreduce(sum) float32[4, 6] name='w'" in text
+
+
+def test_allgather_allows_different_dim0_only() -> None:
+    a = Call(Kind.ALLGATHER, 1, dtype=2, shape=(4, 5))
+    check(_rows(a, Call(Kind.ALLGATHER, 1, dtype=2, shape=(9, 5))), Kind.ALLGATHER)
+    with pytest.raises(MismatchError):
+        check(_rows(a, Call(Kind.ALLGATHER, 1, dtype=2, shape=(4, 6))), Kind.ALLGATHER)
+
+
+def test_sequence_mismatch_is_detected() -> None:
+    with pytest.raises(MismatchError, match="#4"):
+        check(_rows(Call(Kind.BARRIER, 4), Call(Kind.BARRIER, 5)), Kind.BARRIER)
+
+
+def test_fault_is_reported_as_remote_input_error() -> None:
+    ok = Call(Kind.ALLREDUCE, 1, op=1, dtype=2, shape=(3,))
+    bad = Call(Kind.ALLREDUCE, 1, op=1, fault=int(InputFault.NON_CONTIGUOUS))
+    with pytest.raises(RemoteInputError, match="rank 1: tensor is not contiguous"):
+        check(_rows(ok, bad), Kind.ALLREDUCE)
+
+
+def test_long_names_are_truncated_in_labels() -> None:
+    rows = _rows(Call(Kind.BARRIER, 1, name="a-very-long-operation-name"))
+    assert label(rows[0]) == "a-very-long-oper"
+
+
+def test_bfloat16_round_trip_and_rounding() -> None:
+    t = torch.tensor([1.0, 3.140625, -2.5, 65280.0, 1e-3], dtype=torch.bfloat16)
+    raw = t.view(torch.int16).numpy().view(np.uint16)
+    code = DTYPE_CODES["bfloat16"]
+    out = np.empty_like(raw)
+    from_compute(to_compute(raw, code), code, out)
+    assert (out == raw).all()
+    summed = np.empty_like(raw)
+    fold(np.stack([raw, raw, raw]), code, ReduceOp.SUM, 3, summed)
+    expect = (t.float() * 3).bfloat16()
+    assert torch.equal(torch.from_numpy(summed.view(np.int16)).view(torch.bfloat16), expect)
+
+
+def test_integer_average_floors() -> None:
+    out = np.empty(2, np.int64)
+    fold(np.array([[1, -1], [2, -2]], np.int64), DTYPE_CODES["int64"], ReduceOp.AVERAGE, 2, out)
+    assert out.tolist() == [1, -2]
+
+
+@pytest.mark.parametrize("bad, fault", [
+    (torch.ones(3, 3).t(), InputFault.NON_CONTIGUOUS),
+    (torch.ones(3, dtype=torch.complex64), InputFault.UNSUPPORTED_DTYPE),
+    (torch.empty(3, device="meta"), InputFault.WRONG_DEVICE),
+    ([1, 2], InputFault.NOT_A_TENSOR),
+    (np.ones((3, 3))[:, 0], InputFault.NON_CONTIGUOUS),
+])
+def test_validation_faults(bad: object, fault: InputFault) -> None:
+    with pytest.raises(InputRejected) as err:
+        as_buffer(bad)
+    assert err.value.fault is fault
+
+
+def test_readonly_numpy_rejected_in_place_only() -> None:
+    a = np.ones(3, np.float32)
+    a.flags.writeable = False
+    as_buffer(a)
+    with pytest.raises(InputRejected):
+        as_buffer(a, writable=True)
+
+
+def test_reduce_op_aliases() -> None:
+    assert as_reduce_op("mean") is ReduceOp.AVERAGE
+    assert as_reduce_op(ReduceOp.MAX) is ReduceOp.MAX
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        as_reduce_op("median")
