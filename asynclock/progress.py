@@ -29,7 +29,9 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from .header import Call
 from .operation import Lane, Operation, State
+from .ops import Kind
 from .threadsafe import loop_caller
 
 
@@ -89,6 +91,23 @@ class Engine:
         op.start()
         self._issued += 1
         if self._spin(op):
+            self._completed += 1
+            return op
+        self.inflight.append(op)
+        if self._wake is not None:
+            self._wake.set()
+        return op
+
+    def track(self, request: Any, what: str = "request") -> Operation:
+        """Adopt a raw transport request (e.g. point-to-point) for `await wait(op)`.
+
+        The engine keeps testing it until it completes, even if every waiter
+        is cancelled, so a request is never leaked or left unprogressed.
+        """
+        op = RawRequest(request, what)
+        op.issued_at = self._last_progress = time.perf_counter()
+        self._issued += 1
+        if op.poll():
             self._completed += 1
             return op
         self.inflight.append(op)
@@ -207,6 +226,30 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(len(self.inflight), self._issued, self._completed,
                                 self._detached, self._thread_waits, self.running)
+
+
+class RawRequest(Operation):
+    """A transport request with no header round: completes when it tests true."""
+
+    def __init__(self, request: Any, what: str) -> None:
+        super().__init__(_NO_LANE, Call(Kind.BARRIER, 0, name=what[:16]))
+        self.request = request
+        self.state = State.DATA
+        self.what = what
+
+    def describe(self) -> str:
+        return self.what
+
+
+class _NoLane:
+    """Placeholder lane for raw requests (they never enter a FIFO)."""
+
+    rank = 0
+    size = 1
+    transport = None
+
+
+_NO_LANE: Any = _NoLane()
 
 
 class _WaitThread:

@@ -127,6 +127,10 @@ class Coordinator(Collectives):
     def engine(self) -> Engine:
         return self._engine
 
+    def on_lane(self, lane: Lane) -> LaneCollectives:
+        """The collective API on another private channel (e.g. `grad_lane`)."""
+        return LaneCollectives(self, lane)
+
     def statistics(self) -> EngineStatistics:
         """In-flight and completed counts of this rank's progress engine."""
         return self._engine.statistics()
@@ -211,6 +215,18 @@ class Coordinator(Collectives):
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         return await self._running_cm.__aexit__(*exc)
+
+
+class LaneCollectives(Collectives):
+    """Collectives on a subsystem's own channel, sharing the coordinator's engine."""
+
+    def __init__(self, coord: Coordinator, lane: Lane) -> None:
+        self._coord = coord
+        self._engine = coord.engine
+        self._lane = lane
+
+    def _check_open(self) -> None:
+        self._coord._check_open()
 
 
 # -- process-wide coordinator (Horovod style) ------------------------------------

@@ -67,7 +67,7 @@ def venv_python() -> Path:
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, nice: int = 0,
-        capture: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        capture: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run a command, echoing it; fail loudly with its output on error."""
     log("$ " + " ".join(cmd))
     preexec = (lambda: os.nice(nice)) if nice else None

@@ -27,10 +27,12 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+from typing import Any  # noqa: E402
 
 import mpi_select  # noqa: E402
 
 TIMEOUT_S = 120
+Report = dict[str, Any]
 
 # Runs inside the venv python under the selected MPI env (a singleton rank).
 _MPI_PROBE = r"""
@@ -92,19 +94,20 @@ def sh(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
     return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
-def py_json(code: str, env: dict[str, str]) -> dict:
+def py_json(code: str, env: dict[str, str]) -> Report:
     """Run a probe in the venv python; return its JSON or an error dict."""
     python = str(mpi_select.venv_prefix() / "bin" / "python")
     rc, out = sh([python, "-c", code], env)
     if rc != 0:
         return {"error": out.splitlines()[-1] if out else f"exit {rc}"}
     try:
-        return json.loads(out.strip().splitlines()[-1])
+        parsed: Report = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {"error": out}
+    return parsed
 
 
-def mpiexec_report(info: dict, env: dict[str, str]) -> dict:
+def mpiexec_report(info: Report, env: dict[str, str]) -> Report:
     """Return the launcher path and the first line of its --version."""
     exe = info.get("mpiexec")
     if not exe:
@@ -118,7 +121,7 @@ def mpiexec_report(info: dict, env: dict[str, str]) -> dict:
     return {"path": exe, "resolves_to": os.path.realpath(exe), "version": version}
 
 
-def cuda_build_report(info: dict, env: dict[str, str]) -> str:
+def cuda_build_report(info: Report, env: dict[str, str]) -> str:
     """Return whether the MPI was built CUDA-aware (Open MPI: ompi_info)."""
     if info["kind"] != "system":
         return "unknown (MPICH: no build-time query; pip wheel is built without CUDA)"
@@ -138,7 +141,7 @@ def ldd_mpi(lib: str) -> list[str]:
     return [ln.strip() for ln in out.splitlines() if "mpi" in ln.lower()] if rc == 0 else [out]
 
 
-def horovod_report(env: dict[str, str]) -> dict:
+def horovod_report(env: dict[str, str]) -> Report:
     """Return Horovod's install state, build flags and linked libmpi."""
     rep = py_json(_HVD_PROBE, env)
     if not rep.get("installed"):
@@ -154,7 +157,7 @@ def horovod_report(env: dict[str, str]) -> dict:
     return rep
 
 
-def mismatch_warnings(mpi: dict, hvd: dict) -> list[str]:
+def mismatch_warnings(mpi: Report, hvd: Report) -> list[str]:
     """Spot the silent failures: mpi4py and Horovod on different libmpi."""
     warns = []
     loaded = mpi.get("loaded_libmpi") or []
@@ -169,9 +172,9 @@ def mismatch_warnings(mpi: dict, hvd: dict) -> list[str]:
     return warns
 
 
-def collect(kind: str) -> dict:
+def collect(kind: str) -> Report:
     """Gather the whole report as a dict."""
-    report: dict = {"available": mpi_select.available()}
+    report: Report = {"available": mpi_select.available()}
     try:
         info = mpi_select.describe(kind)
     except ValueError as exc:
@@ -192,7 +195,7 @@ def collect(kind: str) -> dict:
     return report
 
 
-def render(rep: dict) -> str:
+def render(rep: Report) -> str:
     """Format the report for people."""
     sel, mpi, hvd = rep.get("selected", {}), rep.get("mpi", {}), rep.get("horovod", {})
     lines = [f"MPI kinds available : {rep['available']}",
@@ -222,7 +225,7 @@ def render(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _render_horovod(hvd: dict) -> list[str]:
+def _render_horovod(hvd: Report) -> list[str]:
     """Format the Horovod part of the report."""
     if not hvd.get("installed"):
         return [f"horovod             : {hvd.get('note')}"]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from typing import Any
 
 
-def init(mode: str):
+def init(mode: str) -> tuple[Any, float]:
     """Initialise Horovod as the mode says; return (hvd, init seconds)."""
     start = time.perf_counter()
     if mode.startswith("mpi4py"):
@@ -35,7 +36,7 @@ def init(mode: str):
     return hvd, time.perf_counter() - start
 
 
-def check_allreduce(hvd, mode: str, init_s: float) -> None:
+def check_allreduce(hvd: Any, mode: str, init_s: float) -> None:
     """Allreduce ones*rank (sum) and print one line per rank."""
     import torch
 
@@ -54,7 +55,7 @@ def check_allreduce(hvd, mode: str, init_s: float) -> None:
         raise SystemExit(1)
 
 
-def latency(hvd, iters: int) -> None:
+def latency(hvd: Any, iters: int) -> None:
     """Time synchronous 4-byte (one float32) allreduces; rank 0 prints stats."""
     import torch
 

@@ -42,8 +42,10 @@ import sys
 import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 KINDS = ("embedded", "system")
+Info = dict[str, Any]  # what describe() returns
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Open MPI binaries exposed through the shim dir.  Debian installs the real
@@ -129,7 +131,7 @@ def _first_existing(*paths: Path) -> Path | None:
     return None
 
 
-def describe_embedded() -> dict:
+def describe_embedded() -> Info:
     """Describe the pip MPICH wheel in the venv (paths only, no subprocess)."""
     venv = venv_prefix()
     bindir, libdir = venv / "bin", venv / "lib"
@@ -150,7 +152,7 @@ def describe_embedded() -> dict:
     }
 
 
-def describe_system() -> dict:
+def describe_system() -> Info:
     """Describe Debian's Open MPI (paths only, no subprocess)."""
     libmpi = _first_existing(system_libdir() / "libmpi.so.40")
     mpirun = _first_existing(Path("/usr/bin/mpirun.openmpi"))
@@ -183,7 +185,7 @@ def resolve(kind: str = "auto") -> str:
     return kind
 
 
-def describe(kind: str = "auto") -> dict:
+def describe(kind: str = "auto") -> Info:
     """Return a dict describing MPI `kind` ('embedded', 'system' or 'auto')."""
     kind = resolve(kind)
     return describe_system() if kind == "system" else describe_embedded()
@@ -228,7 +230,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _read_child(readv: ctypes._CFuncPtr, pid: int, src: ctypes.Array) -> bool:
+def _read_child(readv: Any, pid: int, src: ctypes.Array[ctypes.c_char]) -> bool:
     """Read `src` (same address in the forked child) via process_vm_readv."""
     dst = ctypes.create_string_buffer(len(src))
     local = _IoVec(ctypes.cast(dst, ctypes.c_void_p), len(src))
