@@ -30,8 +30,8 @@ def _inline(slot: Array, data: Array) -> None:
 
 def _rows_of(payload: Array, code: int, n: int) -> Array:
     """View each rank's inline payload as `n` elements of dtype `code`."""
-    width = n * NUMPY_OF_CODE[code].itemsize
-    return np.ascontiguousarray(payload[:, :width]).view(NUMPY_OF_CODE[code])
+    dtype = NUMPY_OF_CODE[code]
+    return payload[:, : n * dtype.itemsize].view(dtype)  # last axis contiguous: no copy
 
 
 def _result(buf: Buffer, out: Array) -> Any:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .backends.base import Channel, Request
 from .errors import AsynclockError, BackendError
-from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, check, pack
+from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, agree, check, pack
 
 Stage = Callable[[], Request]
 
@@ -124,14 +124,17 @@ class Operation:
 
     def _on_header(self) -> None:
         rows = self._recv.reshape(self.lane.size, SLOT_WORDS)
-        try:
-            check(rows[:, :WORDS], self.call.kind)
-        except AsynclockError as exc:
-            self.fail(exc)
-            return
+        if not agree(self._recv, self.lane.size):
+            try:
+                check(rows[:, :WORDS], self.call.kind)
+            except AsynclockError as exc:
+                self.fail(exc)
+                return
         payload = self._recv.view(np.uint8).reshape(self.lane.size, SLOT_BYTES)[:, HEADER_BYTES:]
-        stages = self._guard(lambda: self.plan(rows, payload))
-        if self.state is State.DONE:
+        try:
+            stages = self.plan(rows, payload)
+        except Exception as exc:  # local arithmetic failed: this op's error
+            self.fail(exc)
             return
         if stages:
             self.stages.extend(stages)
@@ -149,14 +152,6 @@ class Operation:
             self.stages.clear()
             self.fail(BackendError(f"{self.describe()}: {exc}"))
         return self.request
-
-    def _guard(self, fn: Callable[[], Any]) -> Any:
-        """Run local arithmetic; turn a failure into this op's error."""
-        try:
-            return fn()
-        except Exception as exc:
-            self.fail(exc)
-            return None
 
     def _finish(self, fn: Callable[[], Any]) -> None:
         try:

@@ -15,6 +15,7 @@ import numpy as np
 from .ops import BFLOAT16, DTYPE_CODES, FLOAT_CODES, ReduceOp
 
 FLOAT16 = DTYPE_CODES["float16"]
+HALF = frozenset({FLOAT16, BFLOAT16})
 
 _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
@@ -48,6 +49,9 @@ def from_compute(arr: Array, code: int, out: Array) -> None:
 
 def fold(rows: Array, code: int, op: ReduceOp, size: int, out: Array) -> None:
     """Reduce `rows` (one per rank, rank order) into `out` in the caller's dtype."""
+    if op is not ReduceOp.AVERAGE and code not in HALF:
+        _UFUNC[op].reduce(rows, axis=0, out=out)  # common case: no temporaries
+        return
     acc = _UFUNC[op].reduce(to_compute(rows, code), axis=0)
     if op is ReduceOp.AVERAGE:
         acc = divide(acc, code, size)

@@ -102,27 +102,42 @@ _TORCH_NAMES = ("float16", "float32", "float64", "bfloat16", "int8", "uint8", "i
                 "int32", "int64")
 
 
+_TORCH_CODES: dict[Any, int] = {}
+
+
+def _torch_code(dtype: Any) -> int:
+    """Map a torch dtype to our code (memoised: str(dtype) is slow on the hot path)."""
+    code = _TORCH_CODES.get(dtype)
+    if code is None:
+        name = str(dtype).removeprefix("torch.")
+        code = DTYPE_CODES[name] if name in _TORCH_NAMES else 0
+        _TORCH_CODES[dtype] = code
+    return code
+
+
 def _torch_buffer(t: Any, torch: Any) -> Buffer:
     """torch: CPU, contiguous, supported dtype; bfloat16 travels as raw bits."""
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _TORCH_NAMES:
+    code = _torch_code(t.dtype)
+    if not code:
         raise InputRejected(InputFault.UNSUPPORTED_DTYPE, f"torch dtype {t.dtype}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise InputRejected(InputFault.WRONG_DEVICE,
                             f"{t.device} tensor; stage it with .cpu() or use asynclock.cuda")
     if not t.is_contiguous():
         raise InputRejected(InputFault.NON_CONTIGUOUS, f"torch tensor of shape {tuple(t.shape)}")
-    code = DTYPE_CODES[name]
-    flat = t.detach().reshape(-1)
-    arr = flat.view(torch.int16).numpy().view(np.uint16) if code == BFLOAT16 else flat.numpy()
-    return Buffer(arr, code, tuple(t.shape), _torch_wrapper(code, torch), t)
+    d = t.detach()
+    arr = d.view(torch.int16).numpy().view(np.uint16) if code == BFLOAT16 else d.numpy()
+    return Buffer(arr.reshape(-1), code, tuple(t.shape), _torch_wrapper(code, torch), t)
+
+
+def _wrap_bfloat16(a: np.ndarray[Any, Any]) -> Any:
+    torch = _torch()
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
 
 def _torch_wrapper(code: int, torch: Any) -> Callable[[np.ndarray[Any, Any]], Any]:
     """Results come back as torch tensors of the caller's dtype."""
-    if code == BFLOAT16:
-        return lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy  # type: ignore[no-any-return]
+    return _wrap_bfloat16 if code == BFLOAT16 else torch.from_numpy  # type: ignore[no-any-return]
 
 
 def empty_like_code(code: int, n: int) -> np.ndarray[Any, Any]:

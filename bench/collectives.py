@@ -1,0 +1,185 @@
+"""Allreduce latency/bandwidth: asynclock vs raw mpi4py vs Horovod vs torch gloo.
+
+Run: mpiexec -n 2 python bench/collectives.py [--json PATH] [--sizes 4,65536,...]
+Every system runs in the same job on the same buffers (in place, sum), so
+the ratios compare like with like. Each figure is the median of several
+rounds; each round times a batch of back-to-back calls sized to ~0.2 s.
+Also reports the CPU a rank burns while awaiting a barrier that the other
+rank enters 2 s late.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import asynclock
+
+WORLD = MPI.COMM_WORLD
+SIZES = [4, 64 << 10, 4 << 20, 64 << 20]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", help="write the figures here (rank 0)")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--round-seconds", type=float, default=0.2)
+    p.add_argument("--skip-idle", action="store_true")
+    return p.parse_args()
+
+
+def agree_iters(seconds_per_call: float, budget: float) -> int:
+    """Rank 0 decides how many calls a round makes; every rank must match."""
+    n = max(3, min(20000, int(budget / max(seconds_per_call, 1e-7))))
+    return int(WORLD.bcast(n, root=0))
+
+
+async def time_async(fn: Callable[[], Awaitable[Any]], args: argparse.Namespace) -> float:
+    """Median seconds per call of an async callable, over synchronised rounds."""
+    t0 = time.perf_counter()
+    for _ in range(3):
+        await fn()
+    iters = agree_iters((time.perf_counter() - t0) / 3, args.round_seconds)
+    samples = []
+    for _ in range(args.rounds):
+        WORLD.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            await fn()
+        samples.append((time.perf_counter() - t0) / iters)
+    return float(statistics.median(samples))
+
+
+def sync_as_async(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    async def call() -> Any:
+        return fn()
+    return call
+
+
+class Systems:
+    """The peers measured side by side; each returns a per-call coroutine."""
+
+    def __init__(self, coord: asynclock.Coordinator) -> None:
+        self.coord = coord
+        self.gloo = _init_gloo()
+        self.hvd = _init_horovod()
+
+    def make(self, nbytes: int) -> dict[str, Callable[[], Awaitable[Any]]]:
+        n = max(1, nbytes // 4)
+        arr = np.zeros(n, np.float32)
+        t = torch.zeros(n)
+        out: dict[str, Callable[[], Awaitable[Any]]] = {
+            "mpi4py": sync_as_async(lambda: WORLD.Allreduce(MPI.IN_PLACE, arr)),
+            "asynclock": lambda: self.coord.allreduce_(t),
+        }
+        if self.hvd is not None:
+            hvd, ht = self.hvd, torch.zeros(n)
+            out["horovod"] = sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))
+        if self.gloo is not None:
+            dist, gt = self.gloo, torch.zeros(n)
+            out["torch-gloo"] = sync_as_async(lambda: dist.all_reduce(gt))
+        return out
+
+
+def _init_gloo() -> Any:
+    """torch.distributed over gloo, rendezvous on a port rank 0 picked."""
+    try:
+        import socket
+
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = 0
+    if WORLD.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = WORLD.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=WORLD.rank, world_size=WORLD.size)
+    return dist
+
+
+def _init_horovod() -> Any:
+    """Horovod sharing our MPI world, when it is installed for this MPI."""
+    if os.environ.get("ASYNCLOCK_BENCH_HOROVOD", "1") == "0":
+        return None
+    try:
+        import horovod.torch as hvd
+
+        hvd.init(comm=WORLD)
+    except Exception as exc:  # not built, or built for another MPI
+        if WORLD.rank == 0:
+            print(f"# horovod skipped: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        return None
+    return hvd
+
+
+async def idle_cpu(coord: asynclock.Coordinator, late_s: float = 2.0) -> dict[str, float]:
+    """CPU fraction rank 0 burns while awaiting a barrier rank 1 enters late."""
+    out = {}
+    for system in ("asynclock", "mpi4py"):
+        WORLD.Barrier()
+        c0, w0 = time.process_time(), time.perf_counter()
+        if coord.rank != 0:
+            await anyio.sleep(late_s)
+        if system == "asynclock":
+            await coord.barrier()
+        else:
+            WORLD.Barrier()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        out[system] = cpu / wall if coord.rank == 0 else float("nan")
+    return out
+
+
+def render(rows: list[dict[str, Any]], idle: dict[str, float]) -> str:
+    lines = [f"{'bytes':>10} {'system':<12} {'median':>12} {'ratio_to_raw':>12}"]
+    for r in rows:
+        lines.append(f"{r['bytes']:>10} {r['system']:<12} {_fmt(r['seconds_median']):>12} "
+                     f"{r['ratio_to_raw']:>12.2f}")
+    for system, frac in idle.items():
+        lines.append(f"idle barrier wait, CPU of one core: {system:<10} {frac * 100:6.1f}%")
+    return "\n".join(lines)
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+async def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    async with asynclock.start() as coord:
+        systems = Systems(coord)
+        rows = []
+        for nbytes in (int(s) for s in args.sizes.split(",")):
+            medians = {name: await time_async(fn, args) for name, fn in systems.make(nbytes).items()}
+            raw = medians["mpi4py"]
+            rows += [{"system": k, "bytes": nbytes, "seconds_median": v, "ratio_to_raw": v / raw}
+                     for k, v in medians.items()]
+        idle = {} if args.skip_idle else await idle_cpu(coord)
+    if WORLD.rank == 0:
+        print(f"# {WORLD.size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
+              f"{platform.node()}")
+        print(render(rows, idle))
+        if args.json:
+            meta = {"mpi": MPI.Get_library_version().splitlines()[0].strip(), "ranks": WORLD.size}
+            with open(args.json, "w") as fh:
+                json.dump({"meta": meta, "rows": rows, "idle_cpu_fraction": idle}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    anyio.run(main)
