@@ -12,7 +12,7 @@ key only checks and exits in seconds.
 Usage::
 
     python3 mpi/build_horovod.py [--mpi system|embedded|auto] [--force]
-                                 [--jobs 2] [--no-verify]
+                                 [--jobs 2] [--nice 10] [--no-verify] [--wheel-only]
 
 Default MPI is 'system' (Debian Open MPI): horovodrun's MPI controller only
 recognises Open MPI here.  Run mpi/install_system_mpi.sh first.
@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=10, help="niceness of the build (default 10)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--no-verify", action="store_true")
+    parser.add_argument("--wheel-only", action="store_true",
+                        help="build/cache the wheel but leave the venv alone")
     args = parser.parse_args(argv)
     start = time.monotonic()
     kind = mpi_select.resolve(args.mpi)
@@ -327,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         (kdir / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True))
     else:
         log(f"using cached wheel {wheel}")
+    if args.wheel_only:
+        log(f"wheel only: {wheel} ({time.monotonic() - start:.0f} s)")
+        return 0
     install_wheel(wheel)
     if not args.no_verify:
         verify(kind)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mpijob import assert_all_ok, run_job
+from mpijob import OTHER_KINDS, assert_all_ok, run_job
 
 pytestmark = pytest.mark.mpi
 
@@ -17,6 +17,14 @@ def test_collectives_matrix(nranks: int, loop: str) -> None:
     for label in ("check_allreduce", "check_broadcast", "check_allgather",
                   "check_reduce_scatter_alltoall", "check_many_in_flight"):
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (3, "trio")])
+def test_collectives_matrix_other_mpi(kind: str, nranks: int, loop: str) -> None:
+    args = ["--trio"] if loop == "trio" else []
+    job = run_job("collectives_matrix.py", nranks, *args, timeout=240, kind=kind)
+    assert_all_ok(job, nranks)
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3])
