@@ -62,9 +62,9 @@ class AllreduceOp(Operation):
         self.stage_bytes = a.nbytes
         if self.buf.code in HALF_CODES:
             self.work = np.ascontiguousarray(to_compute(a, self.buf.code), np.float32)
-            return [lambda: self.lane.transport.iallreduce(None, self.work, self.op)]
+            return [lambda t: t.iallreduce(None, self.work, self.op)]
         send = None if self.out is a else a
-        return [lambda: self.lane.transport.iallreduce(send, self.out, self.op)]
+        return [lambda t: t.iallreduce(send, self.out, self.op)]
 
     def finish(self) -> Any:
         code, a = self.buf.code, self.buf.array
@@ -96,7 +96,7 @@ class BroadcastOp(Operation):
         if self.lane.rank == self.root and self.out is not a:
             self.out[...] = a
         self.stage_bytes = a.nbytes
-        return [lambda: self.lane.transport.ibcast(self.out, self.root)]
+        return [lambda t: t.ibcast(self.out, self.root)]
 
     def finish(self) -> Any:
         return _result(self.buf, self.out)
@@ -125,7 +125,7 @@ class AllgatherOp(Operation):
             self._concat(payload, counts)
             return []
         self.stage_bytes = self.out.nbytes
-        return [lambda: self.lane.transport.iallgatherv(self.buf.array, self.out, counts)]
+        return [lambda t: t.iallgatherv(self.buf.array, self.out, counts)]
 
     def _concat(self, payload: Array, counts: list[int]) -> None:
         pos = 0
@@ -163,7 +163,7 @@ class ReduceScatterOp(Operation):
         if self.buf.code in HALF_CODES:
             send = np.ascontiguousarray(to_compute(send, self.buf.code), np.float32)
             self.work = recv = np.empty(self.out.size, np.float32)
-        return [lambda: self.lane.transport.ireduce_scatter(send, recv, self.counts, self.op)]
+        return [lambda t: t.ireduce_scatter(send, recv, self.counts, self.op)]
 
     def finish(self) -> Any:
         target = self.work if self.work is not None else self.out
@@ -186,15 +186,14 @@ class AlltoallOp(Operation):
         self.out: Array = np.empty(0)
 
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
-        self.stage_bytes = self.buf.array.nbytes
-        t = self.lane.transport
-        return [lambda: t.ialltoall(self.send_splits, self.recv_splits), self._data_stage]
+        self.stage_bytes = int(rows[:, W_NBYTES].sum())  # agreed by all ranks
+        return [lambda tr: tr.ialltoall(self.send_splits, self.recv_splits), self._data_stage]
 
-    def _data_stage(self) -> Any:
+    def _data_stage(self, transport: Any) -> Any:
         scounts = [int(s) * self.row_elems for s in self.send_splits]
         rcounts = [int(s) * self.row_elems for s in self.recv_splits]
         self.out = empty_like_code(self.buf.code, sum(rcounts))
-        return self.lane.transport.ialltoallv(self.buf.array, scounts, self.out, rcounts)
+        return transport.ialltoallv(self.buf.array, scounts, self.out, rcounts)
 
     def finish(self) -> Any:
         shape = (int(self.recv_splits.sum()), *self.buf.shape[1:])
@@ -225,7 +224,7 @@ class BroadcastObjectOp(Operation):
             return []
         self.out = self.blob.copy() if self.lane.rank == root else np.empty(n, np.uint8)
         self.stage_bytes = n
-        return [lambda: self.lane.transport.ibcast(self.out, root)]
+        return [lambda t: t.ibcast(self.out, root)]
 
     def finish(self) -> Any:
         return pickle.loads(self.out.tobytes())
@@ -251,7 +250,7 @@ class AllgatherObjectOp(Operation):
             return []
         self.out = np.empty(sum(self.sizes), np.uint8)
         self.stage_bytes = self.out.nbytes
-        return [lambda: self.lane.transport.iallgatherv(self.blob, self.out, self.sizes)]
+        return [lambda t: t.iallgatherv(self.blob, self.out, self.sizes)]
 
     def finish(self) -> Any:
         raw, pos, objs = self.out.tobytes(), 0, []

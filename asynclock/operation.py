@@ -24,7 +24,7 @@ from .backends.base import Channel, Request
 from .errors import AsynclockError, BackendError
 from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, agree, check, pack
 
-Stage = Callable[[], Request]
+Stage = Callable[[Channel], Request]  # called with the transport to use
 
 
 class State(enum.Enum):
@@ -142,12 +142,12 @@ class Operation:
         else:
             self._finish(self.finish)
 
-    def issue_next(self) -> Request | None:
+    def issue_next(self, transport: Channel) -> Request | None:
         """Start the next data stage (called by the lane pump in FIFO order)."""
         stage = self.stages.popleft()
         self.state = State.DATA
         try:
-            self.request = stage()
+            self.request = stage(transport)
         except Exception as exc:  # a transport refusing to start is fatal for the op
             self.stages.clear()
             self.fail(BackendError(f"{self.describe()}: {exc}"))

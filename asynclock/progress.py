@@ -83,6 +83,9 @@ class Engine:
         self._waiter: _WaitThread | None = None
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
+        # Observer hook (asynclock.timeline.attach): ("issue" | "data" | "done", op,
+        # time.perf_counter()). Each call site tests for None, so off costs nothing.
+        self.on_event: Callable[[str, Operation, float], None] | None = None
 
     # -- submission ------------------------------------------------------------
     def submit(self, op: Operation) -> Operation:
@@ -90,8 +93,12 @@ class Engine:
         op.issued_at = self._last_progress = time.perf_counter()
         op.start()
         self._issued += 1
+        if self.on_event is not None:
+            self.on_event("issue", op, op.issued_at)
         if self._spin(op):
             self._completed += 1
+            if self.on_event is not None:
+                self.on_event("done", op, time.perf_counter())
             return op
         self.inflight.append(op)
         if self._wake is not None:
@@ -107,8 +114,12 @@ class Engine:
         op = RawRequest(request, what)
         op.issued_at = self._last_progress = time.perf_counter()
         self._issued += 1
+        if self.on_event is not None:
+            self.on_event("issue", op, op.issued_at)
         if op.poll():
             self._completed += 1
+            if self.on_event is not None:
+                self.on_event("done", op, time.perf_counter())
             return op
         self.inflight.append(op)
         if self._wake is not None:
@@ -123,15 +134,19 @@ class Engine:
                 op.lane.pump(self._issue)
                 if op.done:
                     return True
-            if time.perf_counter() >= deadline:
-                return False
+            if op.threaded or time.perf_counter() >= deadline:
+                return False  # the wait thread has it: spinning would only hold the GIL
 
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
-        req = op.issue_next()
+        bulk = self._waiter is not None and op.stage_bytes >= self.policy.thread_min_bytes
+        transport = op.lane.transport
+        req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
+        if self.on_event is not None:
+            self.on_event("data", op, time.perf_counter())
         if req is None or op.state is State.DONE:
             return
-        if self._waiter is not None and op.stage_bytes >= self.policy.thread_min_bytes:
+        if bulk and self._waiter is not None:
             op.threaded = True
             self._thread_waits += 1
             self._waiter.put(op, req)
@@ -182,6 +197,11 @@ class Engine:
                 continue
             if self.poll_all():
                 self._last_progress = time.perf_counter()
+            if all(op.threaded for op in self.inflight):
+                # Only the wait thread can finish these, and it wakes us: polling
+                # would just contend for the GIL the thread needs to return.
+                await self._sleep_until_woken(self.policy.max_sleep_s)
+                continue
             waited = time.perf_counter() - self._last_progress
             if waited < self.policy.busy_s:
                 await anyio.sleep(0)
@@ -219,9 +239,18 @@ class Engine:
         for lane in self.lanes:
             lane.pump(self._issue)
         still = [op for op in self.inflight if not op.done]
+        if self.on_event is not None:
+            self._report_done()
         self._completed += len(self.inflight) - len(still)
         self.inflight = still
         return True
+
+    def _report_done(self) -> None:
+        """Tell the observer which in-flight ops finished in this poll."""
+        now, hook = time.perf_counter(), self.on_event
+        for op in self.inflight:
+            if op.done and hook is not None:
+                hook("done", op, now)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(len(self.inflight), self._issued, self._completed,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import ReduceOp
-from .base import Array, Request
+from .base import Array, Deferred, Request
 
 
 def _mpi() -> Any:
@@ -22,6 +22,9 @@ def _mpi_op(op: ReduceOp) -> Any:
     MPI = _mpi()
     return {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}[op]
+
+
+_P2P_TAG = 7
 
 
 def _displs(counts: list[int]) -> list[int]:
@@ -50,10 +53,16 @@ class MPIChannel:
         self.name = name
         self.hdr = world.Dup()
         self.data = world.Dup()
+        self.p2p = world.Dup()
+        self.bulk = world.Dup()
+        self.bulk.Set_name(f"asynclock.{name}.bulk")
         self.hdr.Set_name(f"asynclock.{name}.hdr")
         self.data.Set_name(f"asynclock.{name}.data")
+        self.p2p.Set_name(f"asynclock.{name}.p2p")
+        self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
+        self._bulk_view = BulkChannel(self)
 
     def iallgather_slots(self, send: Array, recv: Array) -> Request:
         return self.hdr.Iallgather(send, recv)  # type: ignore[no-any-return]
@@ -86,9 +95,28 @@ class MPIChannel:
     def ibarrier(self) -> Request:
         return self.hdr.Ibarrier()  # type: ignore[no-any-return]
 
+    def bulk_view(self) -> BulkChannel:
+        return self._bulk_view
+
+    def p2p_isend(self, buf: Array, dest: int) -> Request:
+        return self.p2p.Isend(buf, dest, _P2P_TAG)  # type: ignore[no-any-return]
+
+    def p2p_try_recv(self, buf: Array) -> tuple[int, int] | None:
+        """Iprobe then Recv: the loop thread is the only receiver on `p2p`, so
+        the probed message is the one received, and it has already arrived."""
+        MPI, st = _mpi(), self._status
+        if not self.p2p.Iprobe(MPI.ANY_SOURCE, _P2P_TAG, st):
+            return None
+        source = st.Get_source()
+        self.p2p.Recv(buf, source, _P2P_TAG, st)
+        return source, st.Get_count(MPI.BYTE)
+
+    def p2p_iallreduce_max(self, send: Array, recv: Array) -> Request:
+        return self.p2p.Iallreduce(send, recv, _mpi().MAX)  # type: ignore[no-any-return]
+
     def close(self) -> None:
-        """Free both communicators; only called once nothing is in flight."""
-        for comm in (self.hdr, self.data):
+        """Free every communicator; only called once nothing is in flight."""
+        for comm in (self.hdr, self.data, self.p2p, self.bulk):
             if comm != _mpi().COMM_NULL:
                 comm.Free()
 
@@ -130,3 +158,37 @@ class MPIBackend:
         self._channels.clear()
         for comm in (self._cross, self._node, self.world):
             comm.Free()
+
+
+class BulkChannel:
+    """Blocking collectives on the channel's `bulk` communicator, deferred to the
+    engine's wait thread (see `Deferred` for why bulk data goes blocking)."""
+
+    def __init__(self, chan: MPIChannel) -> None:
+        self.name, self.rank, self.size = chan.name, chan.rank, chan.size
+        self._c = chan.bulk
+
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        src = _mpi().IN_PLACE if send is None else send
+        return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
+
+    def ibcast(self, buf: Array, root: int) -> Request:
+        return Deferred(lambda: self._c.Bcast(_bytes(buf), root))
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
+        counts = _scaled(counts, recv)
+        return Deferred(lambda: self._c.Allgatherv(
+            _bytes(send), [_bytes(recv), (counts, _displs(counts))]))
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request:
+        return Deferred(lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op)))
+
+    def ialltoall(self, send: Array, recv: Array) -> Request:
+        return Deferred(lambda: self._c.Alltoall(send, recv))
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request:
+        scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
+        return Deferred(lambda: self._c.Alltoallv(
+            [_bytes(send), (scounts, _displs(scounts))], [_bytes(recv), (rcounts, _displs(rcounts))]))
