@@ -77,6 +77,13 @@ class Systems:
         self.gloo = _init_gloo()
         self.hvd = _init_horovod()
 
+    def close(self) -> None:
+        """Tear peers down explicitly: a live gloo group aborts the process at exit."""
+        if self.gloo is not None:
+            self.gloo.destroy_process_group()
+        if self.hvd is not None:
+            self.hvd.shutdown()
+
     def make(self, nbytes: int) -> dict[str, Callable[[], Awaitable[Any]]]:
         n = max(1, nbytes // 4)
         arr = np.zeros(n, np.float32)
@@ -171,6 +178,7 @@ async def main() -> None:
             rows += [{"system": k, "bytes": nbytes, "seconds_median": v, "ratio_to_raw": v / raw}
                      for k, v in medians.items()]
         idle = {} if args.skip_idle else await idle_cpu(coord)
+        systems.close()
     if WORLD.rank == 0:
         print(f"# {WORLD.size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
               f"{platform.node()}")
