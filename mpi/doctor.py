@@ -164,6 +164,7 @@ def mismatch_warnings(mpi: Report, hvd: Report) -> list[str]:
     linked = [ln.split("=>")[-1].split("(")[0].strip() for ln in hvd.get("ldd_mpi", [])
               if "libmpi" in ln and "=>" in ln]
     linked = [os.path.realpath(p) for p in linked if p and p != "not found"]
+    hvd["libmpi_matches_mpi4py"] = bool(set(linked) & set(loaded)) if loaded and linked else None
     if loaded and linked and not set(linked) & set(loaded):
         warns.append(f"Horovod links {linked} but mpi4py loads {loaded}: "
                      "build Horovod for this MPI (build_horovod.py --mpi ...)")
@@ -232,6 +233,7 @@ def _render_horovod(hvd: Report) -> list[str]:
     lines = [f"horovod             : {hvd['version']} at {hvd['package_dir']}",
              f"horovod torch lib   : {hvd.get('torch_lib')}"]
     lines += [f"  ldd: {ln}" for ln in hvd.get("ldd_mpi", [])]
+    lines.append(f"same libmpi as mpi4py: {hvd.get('libmpi_matches_mpi4py')}")
     lines.append("horovodrun --check-build:")
     lines += [f"  {ln}" for ln in hvd.get("check_build", "").splitlines() if ln.strip()]
     return lines

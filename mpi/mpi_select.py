@@ -22,6 +22,7 @@ Command line (stdlib only, any python3; `select.py` is a thin alias)::
     eval "$(python mpi/select.py env [embedded|system|auto])"
     $(python mpi/select.py launcher [kind] -n 3) python script.py
     python mpi/select.py info [kind|all]          # JSON
+    python mpi/select.py describe [kind]          # one line
 
 Importable: put mpi/ on sys.path and ``import mpi_select`` (this file).  Do
 not ``import select``: that name belongs to the stdlib (subprocess, asyncio,
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import shlex
@@ -196,6 +198,7 @@ def available() -> dict[str, bool]:
     return {"embedded": describe_embedded()["available"], "system": describe_system()["available"]}
 
 
+@functools.lru_cache(maxsize=1)
 def cma_works() -> bool:
     """Probe whether cross-memory attach (process_vm_readv) works here.
 
@@ -286,10 +289,18 @@ def env_vars(kind: str = "auto", base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+def stale_vars(kind: str = "auto", base: Mapping[str, str] | None = None) -> list[str]:
+    """Return variables set for the other kind that should go (OMPI_* for MPICH)."""
+    base = os.environ if base is None else base
+    if resolve(kind) == "system":
+        return []
+    return sorted(k for k in base if k.startswith("OMPI_"))
+
+
 def environ_for(kind: str = "auto", base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Return a full environment (copy of `base`/os.environ) set up for `kind`."""
     base = os.environ if base is None else base
-    env = dict(base)
+    env = {k: v for k, v in base.items() if k not in stale_vars(kind, base)}
     env.update(env_vars(kind, base))
     return env
 
@@ -315,18 +326,29 @@ def launcher(kind: str = "auto", nranks: int = 2) -> list[str]:
     return argv + ["-np", str(nranks), "-x", f"MPI4PY_LIBMPI={info['libmpi']}"]
 
 
+def summary(kind: str = "auto") -> str:
+    """Return one line saying which MPI `kind` resolves to and where it lives."""
+    info = describe(kind)
+    if not info["available"]:
+        return f"{info['kind']} ({info['vendor']}): unavailable: {info['reason']}"
+    return (f"{info['kind']} ({info['vendor']}): mpiexec={info['mpiexec']} "
+            f"libmpi={info['libmpi']}")
+
+
 def _print_env(kind: str, fmt: str) -> None:
     """Print env_vars as shell exports or JSON."""
     env = env_vars(kind)
     if fmt == "json":
         print(json.dumps(env, indent=2, sort_keys=True))
         return
+    for key in stale_vars(kind):
+        print(f"unset {key}")
     for key in sorted(env):
         print(f"export {key}={shlex.quote(env[key])}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point: env | launcher | info."""
+    """Command-line entry point: env | launcher | info | describe."""
     parser = argparse.ArgumentParser(prog="select.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_env = sub.add_parser("env", help="print export lines for an MPI kind")
@@ -337,12 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     p_launch.add_argument("-n", "--nranks", type=int, default=2)
     p_info = sub.add_parser("info", help="print a JSON description of an MPI kind")
     p_info.add_argument("kind", nargs="?", default="auto", choices=KINDS + ("auto", "all"))
+    p_desc = sub.add_parser("describe", help="print a one-line summary of an MPI kind")
+    p_desc.add_argument("kind", nargs="?", default="auto", choices=KINDS + ("auto",))
     args = parser.parse_args(argv)
     try:
         if args.cmd == "env":
             _print_env(args.kind, args.format)
         elif args.cmd == "launcher":
             print(shlex.join(launcher(args.kind, args.nranks)))
+        elif args.cmd == "describe":
+            print(summary(args.kind))
         else:
             kinds = KINDS if args.kind == "all" else (args.kind,)
             print(json.dumps({k: describe(k) for k in kinds} if args.kind == "all"

@@ -8,7 +8,9 @@ sys.path[0], and a test that puts mpi/ on sys.path would make every later
 
 * run as a script: move mpi/ to the end of sys.path, then call mpi_select.main;
 * imported under the name `select` by mistake: replace ourselves in
-  sys.modules with the real stdlib module, so nothing else breaks.
+  sys.modules with the real stdlib module, so nothing else breaks;
+* loaded by path under any other name (importlib.util.spec_from_file_location):
+  re-export mpi_select's public API.
 
 Import the real API as `mpi_select`, never as `select`.
 """
@@ -45,6 +47,14 @@ def _become_stdlib_select() -> None:
     globals().update({k: v for k, v in vars(real).items() if not k.startswith("__")})
 
 
+def _reexport_api() -> None:
+    """Loaded by path under another name: expose mpi_select's public API."""
+    _demote_here()
+    import mpi_select
+
+    globals().update({k: v for k, v in vars(mpi_select).items() if not k.startswith("_")})
+
+
 if __name__ == "select":
     _become_stdlib_select()
 elif __name__ == "__main__":
@@ -52,3 +62,5 @@ elif __name__ == "__main__":
     import mpi_select
 
     sys.exit(mpi_select.main())
+else:
+    _reexport_api()
