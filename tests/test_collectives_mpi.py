@@ -36,3 +36,8 @@ def test_bad_input_errors_on_every_rank(nranks: int) -> None:
         labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "kind", "name", "device"]
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
+def test_start_refuses_settings_that_differ_across_ranks() -> None:
+    job = run_job("config_mismatch.py", 2, timeout=60)
+    assert_all_ok(job, 2, "refused")
