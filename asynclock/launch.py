@@ -1,0 +1,382 @@
+"""asynclock-launch: run one program on N ranks with whichever launcher fits.
+
+    python -m asynclock.launch -n 2 train.py --epochs 3
+    asynclock-launch -n 4 --runner horovodrun --gloo train.py
+    asynclock-launch -n 2 --timeline /tmp/run/tl --timeout 600 train.py
+
+Why a launcher of our own: the two MPIs on a machine must never be mixed
+(mpi/mpi_select.py hands out launcher and environment together); Horovod,
+Slurm and plain MPI spell ranks, hosts and output tags differently; and a
+hung job must die as a whole. So this module picks the runner (`srun` under
+Slurm, `horovodrun` on request, else the project's MPI), forwards the
+environment, kills the whole process group on `--timeout`, returns non-zero
+when any rank failed, and merges `--timeline` files at the end, even after
+a failure.
+
+Each rank starts behind `asynclock/rankio.py`, which tags whole output
+lines `[r] line` (the runners' own tags split lines; see that module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any
+
+from .rankio import env_rank as env_rank  # re-exported: the launchers' rank variables
+from .rankio import env_size as env_size
+from .rankio import trampoline
+
+RUNNERS = ("auto", "mpiexec", "embedded", "system", "horovodrun", "srun")
+TIMEOUT_EXIT = 124
+GRACE_S = 5.0
+# Variables Open MPI must be told to forward (-x): local ranks inherit, remote ones do not.
+FORWARD_PREFIXES = ("ASYNCLOCK_", "PYTHON", "MPI4PY_", "OMP_", "HOROVOD_", "NCCL_", "CUDA_",
+                    "TORCH", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV")
+# horovodrun tags lines itself ("[0]<stdout>:", "[1,0]<stdout>:" under its MPI controller).
+_HOROVOD_TAG = re.compile(rb"^\[(?:\d+,)?\d+\]<std(?:out|err|diag)>:")
+_HOST_FLAGS = {"hydra": ("-hosts", "-f"), "openmpi": ("--host", "--hostfile"),
+               "horovodrun": ("-H", "--hostfile"), "srun": ("--nodelist", "--nodelist")}
+
+
+# -- finding the project's MPI selector ----------------------------------------------
+def load_mpi_select() -> ModuleType | None:
+    """Import mpi/mpi_select.py by file path (never via sys.path: mpi/select.py shadows
+    the stdlib `select`). ASYNCLOCK_MPI_SELECT overrides the location."""
+    import importlib.util
+
+    forced = os.environ.get("ASYNCLOCK_MPI_SELECT")
+    path = Path(forced) if forced else Path(__file__).resolve().parents[1] / "mpi" / "mpi_select.py"
+    if not path.is_file():
+        return None
+    if "mpi_select" in sys.modules:
+        return sys.modules["mpi_select"]
+    spec = importlib.util.spec_from_file_location("mpi_select", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mpi_select"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the plan: argv and environment ----------------------------------------------------
+@dataclass
+class Plan:
+    """What to run: the runner's argv and full environment."""
+
+    runner: str
+    argv: list[str]
+    env: dict[str, str]
+    strip_tags: bool = False  # horovodrun: drop its own tags (ours are already there)
+    temp_files: list[str] = field(default_factory=list)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="asynclock-launch", description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("-n", "-np", dest="nranks", type=int, default=None,
+        help="number of ranks (default: SLURM_NTASKS under Slurm, else 1)")
+    add("--runner", choices=RUNNERS, default="auto",
+        help="auto: srun under Slurm, horovodrun with --gloo, else the project's MPI")
+    add("--mpi", choices=("auto", "embedded", "system"), default=None,
+        help="which MPI (mpi/mpi_select.py); default: auto or $ASYNCLOCK_MPI")
+    add("--gloo", action="store_true", help="horovodrun with its Gloo controller")
+    add("-H", "--hosts", help="host:slots,host:slots")
+    add("--hostfile", help="'host slots=N' or 'host:N' lines; converted for the runner")
+    add("--timeout", type=float, default=None, help="kill the whole job after S seconds")
+    add("--timeline", metavar="PREFIX", help="record a timeline; merged at the end")
+    add("--no-prefix", action="store_true", help="do not tag output lines with [rank]")
+    add("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
+        help="set and forward an environment variable to every rank")
+    add("--launcher-arg", action="append", default=[], metavar="ARG",
+        help="extra argument passed to the runner verbatim")
+    add("--dry-run", action="store_true", help="print the command and exit")
+    add("-m", dest="module", help="run a python module (like python -m)")
+    add("program", nargs=argparse.REMAINDER, help="script.py args... or any command")
+    args = p.parse_args(argv)
+    if args.program[:1] == ["--"]:
+        args.program = args.program[1:]
+    if not args.program and not args.module:
+        p.error("give a program: asynclock-launch -n 2 train.py [args...]")
+    return args
+
+
+def choose_runner(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """Explicit --runner wins; --gloo means horovodrun; under Slurm, srun."""
+    if args.runner != "auto":
+        return str(args.runner)
+    if args.gloo:
+        return "horovodrun"
+    if environ.get("SLURM_JOB_ID") and shutil.which("srun", path=environ.get("PATH")):
+        return "srun"
+    return "mpiexec"
+
+
+def program_argv(args: argparse.Namespace) -> list[str]:
+    """`x.py` and `-m mod` run on this interpreter (the venv); anything else as given."""
+    if args.module:
+        prog = [sys.executable, "-m", args.module, *args.program]
+    elif args.program[0].endswith(".py"):
+        prog = [sys.executable, *args.program]
+    else:
+        prog = list(args.program)
+    return prog if args.no_prefix else trampoline(prog)
+
+
+def _apply_user_env(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
+    """Apply -x NAME=VALUE; return the names the user asked to forward."""
+    names = []
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if eq:
+            env[name] = value
+        names.append(name)
+    return names
+
+
+def read_hosts(path: str) -> list[tuple[str, int | None]]:
+    """A hostfile in Open MPI ('h slots=N'), hydra ('h:N') or bare ('h') form."""
+    hosts: list[tuple[str, int | None]] = []
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        slots = re.search(r"slots\s*=\s*(\d+)", line)
+        name, _, count = line.split()[0].partition(":")
+        hosts.append((name, int(slots.group(1)) if slots else int(count) if count else None))
+    return hosts
+
+
+def write_hosts(hosts: list[tuple[str, int | None]], style: str) -> str:
+    """Write hosts as `style` reads them (hydra: 'h:N', else 'h slots=N'); the path."""
+    fd, path = tempfile.mkstemp(prefix="asynclock-hosts-", text=True)
+    with os.fdopen(fd, "w") as f:
+        for name, slots in hosts:
+            if slots is None:
+                f.write(f"{name}\n")
+            else:
+                f.write(f"{name}:{slots}\n" if style == "hydra" else f"{name} slots={slots}\n")
+    return path
+
+
+def _host_args(args: argparse.Namespace, style: str, plan: Plan) -> list[str]:
+    """Host selection in the runner's own flags."""
+    inline, from_file = _HOST_FLAGS[style]
+    if style == "srun" and (args.hosts or args.hostfile):  # Slurm takes names only
+        pairs = read_hosts(args.hostfile) if args.hostfile else [
+            (h.partition(":")[0], None) for h in args.hosts.split(",")]
+        return [inline, ",".join(name for name, _ in pairs)]
+    if args.hosts:
+        return [inline, args.hosts]
+    if not args.hostfile:
+        return []
+    path = write_hosts(read_hosts(args.hostfile), style)
+    plan.temp_files.append(path)
+    return [from_file, path]
+
+
+def _forward_flags(env: Mapping[str, str], extra: list[str], argv: list[str]) -> list[str]:
+    names = sorted({k for k in env if k.startswith(FORWARD_PREFIXES)} | set(extra))
+    given = {a.partition("=")[0] for a in argv}
+    return [flag for name in names if name in env and name not in given
+            for flag in ("-x", name)]
+
+
+def _mpi_plan(args: argparse.Namespace, kind: str, n: int) -> Plan:
+    """The project's MPI via mpi_select; else the `mpiexec` on PATH."""
+    sel = load_mpi_select()
+    if sel is not None:
+        env, style = sel.environ_for(kind), sel.describe(kind)["vendor"]
+        argv, runner = list(sel.launcher(kind, n)), sel.resolve(kind)
+    else:
+        env, runner = dict(os.environ), "mpiexec"
+        exe = shutil.which("mpiexec", path=env.get("PATH")) or "mpiexec"
+        style = "Open MPI" if _is_open_mpi(exe, env) else "MPICH"
+        argv = [exe, "-np" if style == "Open MPI" else "-n", str(n)]
+    plan = Plan(runner, [], env)
+    forward = _apply_user_env(args, env)
+    if style == "Open MPI":
+        argv += _forward_flags(env, forward, argv) + _host_args(args, "openmpi", plan)
+    else:  # hydra forwards the whole environment by default
+        argv += _host_args(args, "hydra", plan)
+    plan.argv = argv + args.launcher_arg + program_argv(args)
+    return plan
+
+
+def _is_open_mpi(exe: str, env: Mapping[str, str]) -> bool:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30,
+                             env=dict(env)).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out or "OpenRTE" in out
+
+
+def _horovodrun_plan(args: argparse.Namespace, n: int) -> Plan:
+    """horovodrun: its MPI controller needs Open MPI's mpirun on PATH; --gloo needs none."""
+    sel = load_mpi_select()
+    use_mpi = not args.gloo and sel is not None and bool(sel.available().get("system"))
+    env = sel.environ_for("system" if use_mpi else args.mpi or "auto") if sel else dict(os.environ)
+    _apply_user_env(args, env)
+    exe = Path(sys.executable).with_name("horovodrun")
+    runner = str(exe) if exe.exists() else shutil.which("horovodrun", path=env.get("PATH"))
+    plan = Plan("horovodrun", [], env, strip_tags=not args.no_prefix)
+    argv = [runner or "horovodrun", "-np", str(n), "--mpi" if use_mpi else "--gloo"]
+    plan.argv = argv + _host_args(args, "horovodrun", plan) + args.launcher_arg + program_argv(
+        args)
+    return plan
+
+
+def _srun_plan(args: argparse.Namespace, n: int | None) -> Plan:
+    """srun: Slurm wires up PMI; `--mpi KIND` also picks the libmpi mpi4py loads."""
+    sel = load_mpi_select() if args.mpi else None
+    env = sel.environ_for(args.mpi) if sel is not None else dict(os.environ)
+    _apply_user_env(args, env)
+    plan = Plan("srun", [], env)
+    argv = ["srun", "--kill-on-bad-exit=1"] + (["-n", str(n)] if n is not None else [])
+    plan.argv = argv + _host_args(args, "srun", plan) + args.launcher_arg + program_argv(args)
+    return plan
+
+
+def build_plan(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Plan:
+    """Turn parsed arguments into the exact command and environment to run."""
+    environ = os.environ if environ is None else environ
+    args = argparse.Namespace(**vars(args))  # the -x list below is ours to extend
+    if "PYTHONUNBUFFERED" not in environ:  # a killed rank's last lines still show
+        args.env = ["PYTHONUNBUFFERED=1", *args.env]
+    if args.timeline:  # via -x, so Open MPI forwards it to remote ranks too
+        args.env = [*args.env, f"ASYNCLOCK_TIMELINE={os.path.abspath(args.timeline)}"]
+    runner = choose_runner(args, environ)
+    n = args.nranks if args.nranks is not None else int(environ.get("SLURM_NTASKS", "1"))
+    if runner == "srun":
+        plan = _srun_plan(args, args.nranks)
+    elif runner == "horovodrun":
+        plan = _horovodrun_plan(args, n)
+    else:
+        plan = _mpi_plan(args, runner if runner in ("embedded", "system") else args.mpi or "auto",
+                         n)
+    return plan
+
+
+# -- running it ---------------------------------------------------------------------------
+def strip_tag(line: bytes) -> bytes:
+    """Drop horovodrun's own tag from a line our trampoline already tagged."""
+    m = _HOROVOD_TAG.match(line)
+    return line if m is None else line[m.end():]
+
+
+def _pump(src: IO[bytes], dst: IO[bytes]) -> None:
+    for line in iter(src.readline, b""):
+        dst.write(strip_tag(line))
+        dst.flush()
+    src.close()
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the job's process group; SIGKILL whatever outlives the grace period."""
+    _kill_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(GRACE_S)
+    _kill_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def _forward_signals(proc: subprocess.Popen[bytes]) -> dict[int, Any]:
+    """The job runs in its own session, so pass Ctrl-C / SIGTERM on to its group."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda s, _f: _kill_group(proc, s))
+    return previous
+
+
+def run_plan(plan: Plan, timeout: float | None = None) -> int:
+    """Run the plan: the runner's exit status (128+N for signal N, 124 on timeout)."""
+    pipe = subprocess.PIPE if plan.strip_tags else None
+    proc = subprocess.Popen(plan.argv, env=plan.env, stdout=pipe, stderr=pipe,
+                            start_new_session=True)
+    pumps = [threading.Thread(target=_pump, args=(src, dst), daemon=True)
+             for src, dst in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))
+             if src is not None]
+    for t in pumps:
+        t.start()
+    previous = _forward_signals(proc)
+    try:
+        rc = _wait(proc, timeout)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for t in pumps:
+        t.join(GRACE_S)
+    return rc
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float | None) -> int:
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        print(f"asynclock-launch: timeout after {timeout:g}s: killing the job", file=sys.stderr,
+              flush=True)
+        _terminate(proc)
+        return TIMEOUT_EXIT
+    except BaseException:  # a second Ctrl-C or any error: never leave ranks behind
+        _terminate(proc)
+        raise
+    _kill_group(proc, signal.SIGKILL)  # ranks a runner left behind when it exited
+    return 128 - rc if rc < 0 else rc
+
+
+def _merge_timeline(prefix: str) -> None:
+    """Merge the ranks' timeline files, also after a failed or killed job."""
+    from . import timeline
+
+    try:
+        result = timeline.merge(prefix)
+    except (OSError, ValueError) as exc:
+        print(f"asynclock-launch: timeline not merged: {exc}", file=sys.stderr)
+        return
+    print(f"asynclock-launch: timeline {result.describe()}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (`asynclock-launch`, `python -m asynclock.launch`)."""
+    args = parse_args(argv)
+    plan = build_plan(args)
+    try:
+        if args.dry_run:
+            print(shlex.join(plan.argv))
+            return 0
+        if args.timeline:
+            from . import timeline
+
+            timeline.remove_rank_files(args.timeline)
+        rc = run_plan(plan, args.timeout)
+    finally:
+        for path in plan.temp_files:
+            os.unlink(path)
+    if args.timeline:
+        _merge_timeline(args.timeline)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Rank program for launcher tests: MPI works, each rank writes to stdout and stderr.
+
+`--fail`: rank 1 exits with status 3 after the allreduce. `--hang`: every
+rank blocks forever (the launcher's --timeout must end the job).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from mpi4py import MPI
+
+from asynclock.launch import env_rank, env_size
+
+
+def main() -> int:
+    comm = MPI.COMM_WORLD
+    total = comm.allreduce(comm.rank + 1)
+    want = comm.size * (comm.size + 1) // 2
+    assert total == want, f"allreduce {total} != {want}: ranks are singletons?"
+    print(f"hello from {comm.rank} of {comm.size} env_rank={env_rank()} env_size={env_size()} "
+          f"timeline={os.environ.get('ASYNCLOCK_TIMELINE', '-')}", flush=True)
+    print(f"note on stderr from {comm.rank}", file=sys.stderr, flush=True)
+    if "--hang" in sys.argv:
+        print(f"hanging {comm.rank}", flush=True)
+        threading.Event().wait()
+    if "--fail" in sys.argv and comm.rank == 1:
+        os._exit(3)  # no MPI_Finalize: a rank that really failed
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

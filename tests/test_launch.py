@@ -1,0 +1,239 @@
+"""asynclock-launch: command lines, the rank-tagging trampoline, and real 2-rank jobs
+through every runner this machine has (embedded MPICH, system Open MPI, horovodrun)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from mpijob import PROGRAMS, ROOT
+
+from asynclock import launch, rankio
+
+
+def _mpi_select() -> ModuleType:
+    """The same module tests/mpijob.py imports (found relative to the package)."""
+    module = launch.load_mpi_select()
+    assert module is not None, "mpi/mpi_select.py not found next to the package"
+    return module
+
+
+mpi_select = _mpi_select()
+KINDS = [k for k, ok in mpi_select.available().items() if ok]
+HELLO = str(PROGRAMS / "launch_hello.py")
+HVD = str(PROGRAMS / "launch_hvd.py")
+
+
+def run_launcher(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "asynclock.launch", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def dry(*args: str) -> list[str]:
+    plan = launch.build_plan(launch.parse_args(list(args)), os.environ)
+    for path in plan.temp_files:
+        os.unlink(path)
+    return plan.argv
+
+
+def explain(done: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+
+
+# -- command lines ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_mpi_command_runs_program_behind_trampoline(kind: str) -> None:
+    argv = dry("-n", "3", "--runner", kind, "--timeline", "/tmp/x", "train.py", "--lr", "1")
+    assert argv[:len(mpi_select.launcher(kind, 3))] == mpi_select.launcher(kind, 3)
+    tail = [sys.executable, "-I", str(Path(rankio.__file__).resolve()), sys.executable,
+            "train.py", "--lr", "1"]
+    assert argv[-len(tail):] == tail
+    if kind == "system":  # Open MPI forwards only what -x names to remote ranks
+        assert argv[argv.index("ASYNCLOCK_TIMELINE") - 1] == "-x"
+
+
+def test_other_runners_command_lines() -> None:
+    gloo = dry("-n", "2", "--gloo", "-m", "pkg.train", "a")
+    assert Path(gloo[0]).name == "horovodrun" and gloo[1:4] == ["-np", "2", "--gloo"]
+    assert gloo[-4:] == [sys.executable, "-m", "pkg.train", "a"]
+    srun = dry("--runner", "srun", "-n", "4", "--no-prefix", "-H", "a:2,b:2", "./a.out")
+    assert srun == ["srun", "--kill-on-bad-exit=1", "-n", "4", "--nodelist", "a,b", "./a.out"]
+    assert launch.choose_runner(launch.parse_args(["x.py"]), {"SLURM_JOB_ID": "7", "PATH": ""}) \
+        == "mpiexec"  # Slurm job id but no srun on PATH: not under Slurm after all
+
+
+def test_hostfile_is_converted_for_each_runner(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two nodes\nnode1 slots=2\nnode2:4  # hydra style\nnode3\n")
+    hosts = launch.read_hosts(str(hostfile))
+    assert hosts == [("node1", 2), ("node2", 4), ("node3", None)]
+    hydra = launch.write_hosts(hosts, "hydra")
+    ompi = launch.write_hosts(hosts, "openmpi")
+    try:
+        assert Path(hydra).read_text() == "node1:2\nnode2:4\nnode3\n"
+        assert Path(ompi).read_text() == "node1 slots=2\nnode2 slots=4\nnode3\n"
+    finally:
+        os.unlink(hydra)
+        os.unlink(ompi)
+    flag = "--hostfile" if mpi_select.resolve("auto") == "system" else "-f"
+    assert flag in dry("-n", "2", "--hostfile", str(hostfile), "x.py")
+
+
+def test_recipes() -> None:
+    """launch/: the scripts parse, the example hostfile reads, the sbatch line is sound."""
+    for script in ("slurm.sbatch", "horovodrun.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], check=True, timeout=30)
+    assert launch.read_hosts(str(ROOT / "launch" / "hostfile.example")) == [
+        ("node01", 4), ("node02", 4)]
+    argv = dry("--runner", "srun", "--launcher-arg=--mpi=pmix", "--timeout", "60", "t.py")
+    assert argv[:3] == ["srun", "--kill-on-bad-exit=1", "--mpi=pmix"]  # no -n: Slurm's count
+
+
+def test_env_rank_reads_every_launcher() -> None:
+    assert rankio.env_rank is launch.env_rank
+    assert launch.env_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert launch.env_rank({"SLURM_PROCID": "5", "HOROVOD_RANK": "1"}) == 1
+    assert launch.env_rank({}) is None and launch.env_size({"PMI_SIZE": "3"}) == 3
+
+
+def test_horovodrun_tags_are_stripped() -> None:
+    assert launch.strip_tag(b"[1,0]<stdout>:[0] hi\n") == b"[0] hi\n"
+    assert launch.strip_tag(b"[1]<stderr>:[1] err\n") == b"[1] err\n"
+    assert launch.strip_tag(b"[0] plain\n") == b"[0] plain\n"
+
+
+# -- the trampoline ------------------------------------------------------------------------
+def test_trampoline_tags_whole_lines_and_becomes_the_program() -> None:
+    code = ("import os, sys\n"
+            "print('pid', os.getpid())\n"
+            "sys.stdout.write('split '); sys.stdout.flush(); print('line')\n"
+            "print('bad', file=sys.stderr)\n"
+            "sys.stdout.write('no newline at exit'); sys.exit(7)\n")
+    argv = rankio.trampoline([sys.executable, "-u", "-c", code])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PMI_RANK": "5"})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7  # the program's own status: it *is* the process
+    assert out.splitlines() == [f"[5] pid {proc.pid}", "[5] split line", "[5] no newline at exit"]
+    assert err == "[5] bad\n"
+
+
+def test_trampoline_reports_a_missing_program() -> None:
+    done = subprocess.run(rankio.trampoline(["/nonexistent/prog"]), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 127 and "cannot run '/nonexistent/prog'" in done.stderr
+
+
+# -- real jobs --------------------------------------------------------------------------------
+def assert_tagged_hello(done: subprocess.CompletedProcess[str], nranks: int) -> None:
+    for rank in range(nranks):
+        assert f"[{rank}] hello from {rank} of {nranks} env_rank={rank}" in done.stdout, \
+            explain(done)
+        assert f"[{rank}] note on stderr from {rank}\n" in done.stderr, explain(done)
+    program_lines = [ln for ln in done.stdout.splitlines() if "hello" in ln or "note" in ln]
+    assert all(ln.startswith(("[0] ", "[1] ")) for ln in program_lines), explain(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_rank_job_lines_are_tagged(kind: str) -> None:
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "120", HELLO)
+    assert done.returncode == 0, explain(done)
+    assert_tagged_hello(done, 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_failing_rank_fails_the_launch(kind: str) -> None:
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "120", HELLO, "--fail")
+    assert done.returncode != 0, explain(done)
+    assert done.returncode != launch.TIMEOUT_EXIT, explain(done)
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_timeout_kills_the_whole_job(kind: str) -> None:
+    token = f"hang-{uuid.uuid4().hex}"
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "20", HELLO, "--hang", token)
+    assert done.returncode == launch.TIMEOUT_EXIT, explain(done)
+    assert "[0] hanging 0" in done.stdout and "[1] hanging 1" in done.stdout, explain(done)
+    assert "timeout after 20s" in done.stderr
+    deadline = 50
+    while _processes_with(token) and deadline:  # SIGKILLed; give the kernel a moment to reap
+        deadline -= 1
+        subprocess.run(["sleep", "0.1"], check=True)
+    assert not _processes_with(token)
+
+
+@pytest.mark.mpi
+def test_console_script_and_timeline_flag(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("asynclock-launch")
+    if not script.exists():
+        pytest.skip("console script not installed (pip install -e . again)")
+    done = subprocess.run([str(script), "-n", "2", "--timeout", "120", "--timeline",
+                           str(tmp_path / "tl"), HELLO], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+    assert done.returncode == 0, explain(done)
+    assert f"timeline={tmp_path / 'tl'}" in done.stdout, explain(done)
+    # the program records nothing: the merge says so instead of failing the job
+    assert "timeline not merged: no timeline files" in done.stderr, explain(done)
+
+
+# -- horovodrun -------------------------------------------------------------------------------
+@functools.cache
+def horovod_missing() -> str:
+    """Why horovodrun jobs cannot run here ('' when they can)."""
+    if not Path(sys.executable).with_name("horovodrun").exists() and not shutil.which(
+            "horovodrun"):
+        return "horovodrun is not on the venv PATH"
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True,
+                           text=True, timeout=120)
+    if probe.returncode != 0:
+        return f"import horovod.torch fails: {probe.stderr.strip().splitlines()[-1:]}"
+    return ""
+
+
+HOROVOD_MODES = [("--gloo",), ()] if "system" in KINDS else [("--gloo",)]
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.parametrize("mode", HOROVOD_MODES, ids=lambda m: "gloo" if m else "mpi")
+def test_horovodrun_two_ranks(mode: tuple[str, ...]) -> None:
+    if reason := horovod_missing():
+        pytest.skip(reason)
+    done = run_launcher("-n", "2", "--runner", "horovodrun", *mode, "--timeout", "240", HVD,
+                        timeout=300)
+    assert done.returncode == 0, explain(done)
+    for rank in (0, 1):
+        assert f"[{rank}] hvd hello from {rank} of 2\n" in done.stdout, explain(done)
+    assert "<stdout>" not in done.stdout, explain(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_horovodrun_failing_rank_fails_the_launch() -> None:
+    if reason := horovod_missing():
+        pytest.skip(reason)
+    done = run_launcher("-n", "2", "--gloo", "--timeout", "240", HVD, "--fail", timeout=300)
+    assert done.returncode not in (0, launch.TIMEOUT_EXIT), explain(done)
