@@ -18,6 +18,7 @@ from .header import Call
 from .operation import Lane, Operation
 from .ops import Kind, ReduceOp, as_reduce_op
 from .progress import Engine
+from .staging import submit
 from .tensors import Buffer, InputFault, InputRejected, as_buffer, empty_like_code
 
 from . import collective_ops as ops
@@ -34,7 +35,7 @@ class Collectives:
 
     # -- plumbing --------------------------------------------------------------
     def _submit(self, op: Operation) -> Handle:
-        return Handle(self._engine, self._engine.submit(op))
+        return Handle(self._engine, submit(self._engine, self._lane, op))
 
     def _call(self, kind: Kind, name: str | None, buf: Buffer | None = None, **kw: Any) -> Call:
         shape = buf.shape if buf is not None else ()
@@ -48,7 +49,7 @@ class Collectives:
         """Validate; on a bad input still join the header round, then raise."""
         self._check_open()
         try:
-            return as_buffer(tensor, writable=writable)
+            return as_buffer(tensor, writable=writable, stage=True)
         except InputRejected as exc:
             self._announce_fault(kind, name, exc.fault, **kw)
             raise
@@ -56,7 +57,7 @@ class Collectives:
     def _announce_fault(self, kind: Kind, name: str | None, fault: InputFault, **kw: Any) -> None:
         """Tell the other ranks why we will not take part, so they fail too."""
         call = Call(kind, self._lane.next_seq(), name=name or "", fault=int(fault), **kw)
-        self._engine.submit(Operation(self._lane, call))
+        submit(self._engine, self._lane, Operation(self._lane, call))
 
     # -- allreduce -------------------------------------------------------------
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = "sum", *,

@@ -72,13 +72,18 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def as_buffer(obj: Any, *, writable: bool = False) -> Buffer:
-    """Validate `obj` and view it as a flat numpy buffer sharing its memory."""
+def as_buffer(obj: Any, *, writable: bool = False, stage: bool = False) -> Buffer:
+    """Validate `obj` and view it as a flat numpy buffer sharing its memory.
+
+    `stage=True` (the collective API) views a CUDA tensor through a pinned
+    host buffer that `asynclock.staging.submit` fills; other callers get
+    WRONG_DEVICE for it, since the view holds no data until then.
+    """
     if isinstance(obj, np.ndarray):
         return _numpy_buffer(obj, writable)
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return _torch_buffer(obj, torch)
+        return _torch_buffer(obj, torch, stage)
     raise InputRejected(InputFault.NOT_A_TENSOR, f"got {type(obj).__name__}")
 
 
@@ -115,19 +120,30 @@ def _torch_code(dtype: Any) -> int:
     return code
 
 
-def _torch_buffer(t: Any, torch: Any) -> Buffer:
+def _torch_buffer(t: Any, torch: Any, stage: bool = False) -> Buffer:
     """torch: CPU, contiguous, supported dtype; bfloat16 travels as raw bits."""
     code = _torch_code(t.dtype)
     if not code:
         raise InputRejected(InputFault.UNSUPPORTED_DTYPE, f"torch dtype {t.dtype}")
     if not t.is_cpu:
-        raise InputRejected(InputFault.WRONG_DEVICE,
-                            f"{t.device} tensor; stage it with .cpu() or use asynclock.cuda")
+        return _device_buffer(t, stage)
     if not t.is_contiguous():
         raise InputRejected(InputFault.NON_CONTIGUOUS, f"torch tensor of shape {tuple(t.shape)}")
     d = t.detach()
     arr = d.view(torch.int16).numpy().view(np.uint16) if code == BFLOAT16 else d.numpy()
     return Buffer(arr.reshape(-1), code, tuple(t.shape), _torch_wrapper(code, torch), t)
+
+
+def _device_buffer(t: Any, stage: bool) -> Buffer:
+    """CUDA tensors are staged for the collectives; other devices are refused."""
+    if stage and t.is_cuda:
+        from .staging import stage_tensor  # lazy: CPU-only programs never load it
+
+        return stage_tensor(t)
+    hint = ("pass it to an asynclock collective (they stage CUDA tensors) or copy it with "
+            ".cpu()" if t.is_cuda else "only CPU and CUDA tensors can be communicated; "
+            "move it with .cpu()")
+    raise InputRejected(InputFault.WRONG_DEVICE, f"{t.device} tensor; {hint}")
 
 
 def _wrap_bfloat16(a: np.ndarray[Any, Any]) -> Any:
