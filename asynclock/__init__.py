@@ -8,6 +8,8 @@ Importing asynclock initialises nothing: MPI starts at `init()`/`start()`.
 
 from __future__ import annotations
 
+from .checkpoint import Checkpointer, CheckpointError, find_latest
+from .data import Join, ShardSampler
 from .errors import (
     AsynclockError,
     BackendError,
@@ -37,6 +39,7 @@ from .runtime import (
     size,
     start,
 )
+from .sync import Condition, ConsistencyPoint, Event, Lock, Semaphore, Sequential
 
 __version__ = "0.1.0"
 
@@ -47,4 +50,7 @@ __all__ = [
     "RemoteInputError", "ShutdownError", "StallError", "Sum", "coordinator", "cross_rank",
     "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
     "size", "start",
+    # cross-rank primitives, checkpoints, data (issue 5)
+    "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "Join", "Lock",
+    "Semaphore", "Sequential", "ShardSampler", "find_latest",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import collective_ops as ops
 from .handle import Handle
 from .header import Call
 from .operation import Lane, Operation
@@ -20,8 +21,6 @@ from .ops import Kind, ReduceOp, as_reduce_op
 from .progress import Engine
 from .staging import submit
 from .tensors import Buffer, InputFault, InputRejected, as_buffer, empty_like_code
-
-from . import collective_ops as ops
 
 
 class Collectives:

@@ -12,9 +12,9 @@ round trip in total.
 
 from __future__ import annotations
 
-import zlib
 import functools
 import struct
+import zlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -89,7 +89,7 @@ def _shape_words(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0] if shape else 1, len(shape), hash(shape[1:]), *dims)
 
 
-def pack(call: Call, slot: np.ndarray[Any, Any]) -> None:
+def pack(call: Call, slot: Any) -> None:
     """Write `call` into the first `WORDS` words of a send slot."""
     crc, label1, label2 = _name_words(call.name)
     _LAYOUT.pack_into(slot, 0, MAGIC, call.seq, int(call.kind), call.op, call.dtype, call.root,
@@ -125,8 +125,9 @@ def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
     """Name each rank that rejected its input and why."""
     parts = [f"rank {r}: {FAULT_TEXT.get(InputFault(int(rows[r, W_FAULT])), 'invalid input')}"
              for r in ranks]
-    what = _describe(rows[int(ranks[0])])
-    return f"collective #{int(rows[int(ranks[0]), W_SEQ])} {what} rejected input on " + "; ".join(parts)
+    first = rows[int(ranks[0])]
+    head = f"collective #{int(first[W_SEQ])} {_describe(first)} rejected input on "
+    return head + "; ".join(parts)
 
 
 def mismatch_text(rows: np.ndarray[Any, Any]) -> str:

@@ -20,11 +20,11 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .backends.base import Channel, Request
+from .backends.base import Channel, DataTransport, Request
 from .errors import AsynclockError, BackendError
 from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, agree, check, pack
 
-Stage = Callable[[Channel], Request]  # called with the transport to use
+Stage = Callable[[DataTransport], Request]  # called with the transport to use
 
 
 class State(enum.Enum):
@@ -142,7 +142,7 @@ class Operation:
         else:
             self._finish(self.finish)
 
-    def issue_next(self, transport: Channel) -> Request | None:
+    def issue_next(self, transport: DataTransport) -> Request | None:
         """Start the next data stage (called by the lane pump in FIFO order)."""
         stage = self.stages.popleft()
         self.state = State.DATA

@@ -37,7 +37,8 @@ def as_reduce_op(op: ReduceOp | str | int) -> ReduceOp:
         try:
             return _OP_ALIASES[op.lower()]
         except KeyError:
-            raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_OP_ALIASES)}") from None
+            known = sorted(_OP_ALIASES)
+            raise ValueError(f"unknown reduce op {op!r}; use one of {known}") from None
     return ReduceOp(int(op))
 
 

@@ -29,9 +29,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from .errors import BackendError
 from .header import Call
 from .operation import Lane, Operation, State
-from .ops import Kind
+from .ops import DTYPE_NAMES, Kind, ReduceOp
 from .threadsafe import loop_caller
 
 
@@ -70,6 +71,27 @@ class EngineStatistics:
     poller_running: bool
 
 
+@dataclass(frozen=True, slots=True)
+class InflightOp:
+    """One in-flight operation as the stall inspector reports it."""
+
+    description: str
+    age_s: float
+    lane: int  # index into `Engine.lanes`; -1 for raw requests (no sequence)
+    seq: int
+    ident: int  # stable while in flight, so a stall is reported once per op
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the watchdog thread publishes: oldest ops first, issued seq per lane."""
+
+    ops: tuple[InflightOp, ...]
+    in_flight: int
+    lane_seqs: tuple[int, ...]
+    lane_names: tuple[str, ...]
+
+
 class Engine:
     """Owns every started operation until it completes on this rank."""
 
@@ -83,6 +105,7 @@ class Engine:
         self._waiter: _WaitThread | None = None
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
+        self.failure: BaseException | None = None  # set by fail_all: the job is over
         # Observer hook (asynclock.timeline.attach): ("issue" | "data" | "done", op,
         # time.perf_counter()). Each call site tests for None, so off costs nothing.
         self.on_event: Callable[[str, Operation, float], None] | None = None
@@ -90,6 +113,8 @@ class Engine:
     # -- submission ------------------------------------------------------------
     def submit(self, op: Operation) -> Operation:
         """Start `op` now (caller's order), spin briefly, else hand it to the poller."""
+        if self.failure is not None:
+            raise _fresh(self.failure)
         op.issued_at = self._last_progress = time.perf_counter()
         op.start()
         self._issued += 1
@@ -111,6 +136,8 @@ class Engine:
         The engine keeps testing it until it completes, even if every waiter
         is cancelled, so a request is never leaked or left unprogressed.
         """
+        if self.failure is not None:
+            raise _fresh(self.failure)
         op = RawRequest(request, what)
         op.issued_at = self._last_progress = time.perf_counter()
         self._issued += 1
@@ -187,6 +214,7 @@ class Engine:
             await self._loop()
         finally:
             self.running = False
+            self._call_soon = None
             self._waiter.stop()
             self._waiter = None
 
@@ -232,7 +260,11 @@ class Engine:
         """Test every in-flight op once; pump lanes; drop finished ops."""
         progressed = False
         for op in self.inflight:
-            if op.poll():
+            try:
+                if op.poll():
+                    progressed = True
+            except Exception as exc:  # a transport error (e.g. a dead peer) ends this op only
+                op.fail(BackendError(f"{op.describe()}: {exc}"))
                 progressed = True
         if not progressed:
             return False
@@ -255,6 +287,66 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(len(self.inflight), self._issued, self._completed,
                                 self._detached, self._thread_waits, self.running)
+
+    # -- for the watchdog (any thread) -------------------------------------------
+    def snapshot(self, limit: int = 8) -> EngineSnapshot:
+        """The `limit` oldest in-flight ops, from any thread: the loop only appends
+        to `inflight` or replaces it whole, so a copy is consistent (issue order)."""
+        now, ops, lanes = time.perf_counter(), list(self.inflight), list(self.lanes)
+        index = {id(lane): i for i, lane in enumerate(lanes)}
+        views = tuple(InflightOp(describe_op(op), now - op.issued_at, index.get(id(op.lane), -1),
+                                 op.call.seq, id(op)) for op in ops[:limit])
+        return EngineSnapshot(views, len(ops), tuple(lane.seq for lane in lanes),
+                              tuple(str(lane.transport.name) for lane in lanes))
+
+    def call_soon_threadsafe(self, fn: Callable[[], object]) -> bool:
+        """Run `fn()` on the engine's loop; False when no loop runs the engine."""
+        call = self._call_soon
+        if call is None:
+            return False
+        call(fn)
+        return True
+
+    def fail_all(self, error: BaseException) -> int:
+        """On the loop thread, when the job is stopping (a rank died, a stall abort):
+        the requests can never complete, so every waiter and every later
+        submission gets `error` instead of hanging."""
+        self.failure = error
+        ops, self.inflight = self.inflight, []
+        for lane in self.lanes:
+            lane.queue.clear()
+        for op in ops:
+            if not op.done:
+                op.fail(_fresh(error))
+        self._completed += len(ops)
+        return len(ops)
+
+    def fail_all_soon(self, error: BaseException) -> None:
+        """From any thread: `fail_all` on the loop, or here when no loop runs."""
+        if not self.call_soon_threadsafe(lambda: self.fail_all(error)):
+            self.fail_all(error)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """One exception object per raise: tasks must not share a traceback."""
+    try:
+        return type(error)(*error.args)
+    except Exception:
+        return error
+
+
+def describe_op(op: Operation) -> str:
+    """Kind, op, dtype, shape, seq, lane and name: what a stall report needs."""
+    if isinstance(op, RawRequest):
+        return op.what
+    c = op.call
+    text = c.kind.name.lower()
+    if c.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) and c.op:
+        text += f"({ReduceOp(c.op).name.lower()})"
+    if c.dtype:
+        text += f" {DTYPE_NAMES[c.dtype]}{list(c.shape)}"
+    text += f" #{c.seq} on lane {op.lane.transport.name}"
+    return text + (f" name={c.name!r}" if c.name else "")
 
 
 class RawRequest(Operation):

@@ -60,9 +60,8 @@ def fold(rows: Array, code: int, op: ReduceOp, size: int, out: Array) -> None:
 
 def divide(acc: Array, code: int, size: int) -> Array:
     """Average = sum / size; integers use floor division, like torch's floor mode."""
-    if code in FLOAT_CODES:
-        return acc / acc.dtype.type(size)
-    return acc // size
+    out: Array = acc / acc.dtype.type(size) if code in FLOAT_CODES else acc // size
+    return out
 
 
 def finish_average_inplace(arr: Array, code: int, size: int) -> None:

@@ -18,11 +18,15 @@ from typing import Any, TypeVar
 import anyio
 import anyio.from_thread
 
+from . import failure
 from .backends.base import Backend
 from .collectives import Collectives
+from .config import agree_config
 from .errors import NotInitializedError, ShutdownError
 from .operation import Lane
 from .progress import Engine, EngineStatistics, ProgressPolicy
+from .sync import SyncPrimitives
+from .watchdog import Watchdog
 
 log = logging.getLogger("asynclock")
 T = TypeVar("T")
@@ -78,7 +82,7 @@ def make_backend(name: str, comm: Any = None) -> Backend:
     raise ValueError(f"unknown backend {name!r}: use auto, mpi, horovod or local")
 
 
-class Coordinator(Collectives):
+class Coordinator(Collectives, SyncPrimitives):
     """One per rank: the backend, the progress engine and the channels."""
 
     def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
@@ -92,6 +96,7 @@ class Coordinator(Collectives):
         self._portal_cm: Any = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._lock = threading.Lock()
+        self.watchdog = Watchdog.for_coordinator(self)  # heartbeats + stall inspector
 
     def _add_lane(self, name: str) -> Lane:
         lane = Lane(self.backend.channel(name))
@@ -135,6 +140,15 @@ class Coordinator(Collectives):
         """In-flight and completed counts of this rank's progress engine."""
         return self._engine.statistics()
 
+    def train_step(self, optimizer: Any, **options: Any) -> Any:
+        """`async with coord.train_step(optimizer) as step:` (see `asynclock.torch.step`).
+
+        Made once per optimizer and reused; imports torch only when called.
+        """
+        from .torch.step import train_step
+
+        return train_step(self, optimizer, **options)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ShutdownError("asynclock coordinator was shut down; call init()/start() again")
@@ -149,6 +163,7 @@ class Coordinator(Collectives):
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._engine.run)
+                await tg.start(self.sync.run)
                 try:
                     yield self
                     await self.drain()
@@ -185,14 +200,16 @@ class Coordinator(Collectives):
             self._claim("sync loop thread")
             self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
             self._portal = self._portal_cm.__enter__()
+            # anyio refuses start_task_soon on the loop thread: start the portal-owned
+            # tasks from this thread, then wait on the loop until they run.
+            self._portal.start_task_soon(self._engine.run)
+            self._portal.start_task_soon(self.sync.run)
             self._portal.call(self._start_engine_task)
         return self._portal
 
     async def _start_engine_task(self) -> None:
-        """Inside the portal loop: start the poller as a portal-owned task."""
-        assert self._portal is not None
-        self._portal.start_task_soon(self._engine.run)
-        while not self._engine.running:
+        """Inside the portal loop: wait until the portal-owned tasks run."""
+        while not (self._engine.running and self.sync.running):
             await anyio.sleep(0)
 
     def shutdown(self) -> None:
@@ -201,12 +218,16 @@ class Coordinator(Collectives):
             return
         if self._portal is not None:
             self._portal.call(self.drain)
+            self._portal.call(self._portal.stop, True)  # the engine tasks run until cancelled
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
             self._engine_owner = None
         if self._engine.inflight:
-            log.warning("asynclock shutdown with %d collectives in flight", len(self._engine.inflight))
+            log.warning("asynclock shutdown with %d collectives in flight",
+                        len(self._engine.inflight))
         self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()  # tells the peers `closing` before the comms go
         self.backend.shutdown()
 
     async def __aenter__(self) -> Coordinator:
@@ -240,6 +261,8 @@ def init(backend: str = "auto", *, comm: Any = None,
     if _global is None or _global._closed:
         chosen = choose_backend(backend)
         _global = Coordinator(make_backend(chosen, comm), policy)
+        agree_config(_global)
+        failure.install_excepthook(_global.rank, _global.size)
         if _global.rank == 0:
             log.info("asynclock backend: %s", _global.backend.describe())
     return _global
@@ -283,6 +306,9 @@ async def start(backend: str = "auto", *, comm: Any = None,
     try:
         async with coord.running():
             yield coord
+    except BaseException as exc:
+        failure.on_uncaught(coord, exc)  # by default: stop every rank, print once
+        raise
     finally:
         if shutdown_on_exit:
             await anyio.to_thread.run_sync(shutdown)

@@ -153,7 +153,7 @@ def _wrap_bfloat16(a: np.ndarray[Any, Any]) -> Any:
 
 def _torch_wrapper(code: int, torch: Any) -> Callable[[np.ndarray[Any, Any]], Any]:
     """Results come back as torch tensors of the caller's dtype."""
-    return _wrap_bfloat16 if code == BFLOAT16 else torch.from_numpy  # type: ignore[no-any-return]
+    return _wrap_bfloat16 if code == BFLOAT16 else torch.from_numpy
 
 
 def empty_like_code(code: int, n: int) -> np.ndarray[Any, Any]:

@@ -7,6 +7,7 @@ the backends' own fire-and-forget entry points.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import sniffio
@@ -28,7 +29,5 @@ def loop_caller() -> Callable[[Callable[[], object]], None]:
 
 def _quiet(schedule: Callable[[Callable[[], object]], object], fn: Callable[[], object]) -> None:
     """A loop that already closed has nobody left to wake: drop the call."""
-    try:
+    with contextlib.suppress(RuntimeError):
         schedule(fn)
-    except RuntimeError:
-        pass

@@ -2,7 +2,9 @@
 
 Run: mpiexec -n 2 python bench/collectives.py [--json PATH] [--sizes 4,65536,...]
 Every system runs in the same job on the same buffers (in place, sum), so
-the ratios compare like with like. Each figure is the median of several
+the ratios compare like with like. When Horovod is importable for this MPI,
+`asynclock-hvd` is a second Coordinator on the Horovod backend in the same
+job (headers over MPI, data stages over Horovod handles). Each figure is the median of several
 rounds; each round times a batch of back-to-back calls sized to ~0.2 s.
 Also reports the CPU a rank burns while awaiting a barrier that the other
 rank enters 2 s late.
@@ -17,7 +19,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -26,6 +29,7 @@ import torch
 from mpi4py import MPI
 
 import asynclock
+from asynclock.runtime import make_backend
 
 WORLD = MPI.COMM_WORLD
 SIZES = [4, 64 << 10, 4 << 20, 64 << 20]
@@ -38,6 +42,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--round-seconds", type=float, default=0.2)
     p.add_argument("--skip-idle", action="store_true")
+    p.add_argument("--link", default=None,
+                   help="label of the network between hosts (e.g. 5gbit); in every JSON row")
     return p.parse_args()
 
 
@@ -76,9 +82,22 @@ class Systems:
         self.coord = coord
         self.gloo = _init_gloo()
         self.hvd = _init_horovod()
+        self.hvd_coord = None if self.hvd is None else asynclock.Coordinator(
+            make_backend("horovod", WORLD))
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Run the Horovod-backed coordinator's engine next to the main one."""
+        if self.hvd_coord is None:
+            yield
+            return
+        async with self.hvd_coord.running():
+            yield
 
     def close(self) -> None:
         """Tear peers down explicitly: a live gloo group aborts the process at exit."""
+        if self.hvd_coord is not None:
+            self.hvd_coord.shutdown()  # before Horovod itself: it does not own Horovod
         if self.gloo is not None:
             self.gloo.destroy_process_group()
         if self.hvd is not None:
@@ -95,6 +114,9 @@ class Systems:
         if self.hvd is not None:
             hvd, ht = self.hvd, torch.zeros(n)
             out["horovod"] = sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))
+        if self.hvd_coord is not None:
+            hc, hct = self.hvd_coord, torch.zeros(n)
+            out["asynclock-hvd"] = lambda: hc.allreduce_(hct)
         if self.gloo is not None:
             dist, gt = self.gloo, torch.zeros(n)
             out["torch-gloo"] = sync_as_async(lambda: dist.all_reduce(gt))
@@ -109,15 +131,27 @@ def _init_gloo() -> Any:
         import torch.distributed as dist
     except ImportError:
         return None
-    port = 0
+    hosts = WORLD.allgather(platform.node())
+    port, addr = 0, "127.0.0.1"
     if WORLD.rank == 0:
+        addr = rank0_address(hosts)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((addr, 0))
             port = s.getsockname()[1]
-    port = WORLD.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    addr, port = WORLD.bcast((addr, port), root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
                             rank=WORLD.rank, world_size=WORLD.size)
     return dist
+
+
+def rank0_address(hosts: list[str]) -> str:
+    """An address of this host the other ranks can reach: loopback when every rank
+    is here, this host's own address (from its name) when ranks run on other hosts."""
+    import socket
+
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _init_horovod() -> Any:
@@ -153,9 +187,9 @@ async def idle_cpu(coord: asynclock.Coordinator, late_s: float = 2.0) -> dict[st
 
 
 def render(rows: list[dict[str, Any]], idle: dict[str, float]) -> str:
-    lines = [f"{'bytes':>10} {'system':<12} {'median':>12} {'ratio_to_raw':>12}"]
+    lines = [f"{'bytes':>10} {'system':<14} {'median':>12} {'ratio_to_raw':>12}"]
     for r in rows:
-        lines.append(f"{r['bytes']:>10} {r['system']:<12} {_fmt(r['seconds_median']):>12} "
+        lines.append(f"{r['bytes']:>10} {r['system']:<14} {_fmt(r['seconds_median']):>12} "
                      f"{r['ratio_to_raw']:>12.2f}")
     for system, frac in idle.items():
         lines.append(f"idle barrier wait, CPU of one core: {system:<10} {frac * 100:6.1f}%")
@@ -172,11 +206,14 @@ async def main() -> None:
     async with asynclock.start() as coord:
         systems = Systems(coord)
         rows = []
-        for nbytes in (int(s) for s in args.sizes.split(",")):
-            medians = {name: await time_async(fn, args) for name, fn in systems.make(nbytes).items()}
-            raw = medians["mpi4py"]
-            rows += [{"system": k, "bytes": nbytes, "seconds_median": v, "ratio_to_raw": v / raw}
-                     for k, v in medians.items()]
+        async with systems.running():
+            for nbytes in (int(s) for s in args.sizes.split(",")):
+                medians = {name: await time_async(fn, args)
+                           for name, fn in systems.make(nbytes).items()}
+                raw = medians["mpi4py"]
+                rows += [{"system": k, "bytes": nbytes, "seconds_median": v,
+                          "ratio_to_raw": v / raw, "link": args.link}
+                         for k, v in medians.items()]
         idle = {} if args.skip_idle else await idle_cpu(coord)
         systems.close()
     if WORLD.rank == 0:
@@ -184,7 +221,8 @@ async def main() -> None:
               f"{platform.node()}")
         print(render(rows, idle))
         if args.json:
-            meta = {"mpi": MPI.Get_library_version().splitlines()[0].strip(), "ranks": WORLD.size}
+            meta = {"mpi": MPI.Get_library_version().splitlines()[0].strip(), "ranks": WORLD.size,
+                    "link": args.link}
             with open(args.json, "w") as fh:
                 json.dump({"meta": meta, "rows": rows, "idle_cpu_fraction": idle}, fh, indent=1)
 

@@ -6,7 +6,11 @@ so a job that exits 0 without doing the work still fails.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -71,3 +75,84 @@ def assert_all_ok(job: Job, nranks: int, label: str = "done") -> None:
     assert job.returncode == 0, job.explain()
     missing = set(range(nranks)) - job.ok_lines(label)
     assert not missing, f"ranks {sorted(missing)} did not report {label!r}\n" + job.explain()
+
+
+# -- Horovod: plain mpirun with ASYNCLOCK_BACKEND=horovod, or horovodrun -----------------
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
+_HOROVOD_TAG = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:", re.MULTILINE)
+
+
+@functools.cache
+def horovod_status() -> tuple[str, str]:
+    """(MPI kind Horovod was built for, "") or ("", why Horovod jobs cannot run here).
+
+    Probed in a subprocess: importing Horovod loads its libmpi, which must not
+    land in the pytest process.
+    """
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True,
+                           text=True, timeout=180, env=mpi_select.environ_for(DEFAULT_KIND))
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return "", f"import horovod.torch fails: {last}"
+    stamp = Path(sys.prefix) / "asynclock-horovod-key.json"
+    kind = json.loads(stamp.read_text()).get("mpi_kind") if stamp.exists() else DEFAULT_KIND
+    if not mpi_select.available().get(kind, False):
+        return "", f"Horovod was built for the {kind} MPI, which is not installed"
+    return kind, ""
+
+
+def horovodrun_missing(gloo: bool) -> str:
+    """Why `horovodrun [--gloo]` jobs cannot run here ("" when they can)."""
+    kind, why = horovod_status()
+    if why:
+        return why
+    if not HOROVODRUN.exists():
+        return f"{HOROVODRUN} does not exist"
+    if not gloo and kind != "system":
+        return f"horovodrun's MPI controller needs Open MPI; Horovod is built for {kind}"
+    return ""
+
+
+def __getattr__(name: str) -> object:
+    """`HOROVOD_AVAILABLE` / `HOROVOD_MPI` are probed on first use, not at import."""
+    if name == "HOROVOD_AVAILABLE":
+        return not horovod_status()[1]
+    if name == "HOROVOD_MPI":
+        return horovod_status()[0] or DEFAULT_KIND
+    raise AttributeError(name)
+
+
+def run_horovodrun(program: str, nranks: int, *args: str, gloo: bool = False,
+                   timeout: float = 180, env: dict[str, str] | None = None) -> Job:
+    """Run tests/programs/<program> under `horovodrun -np N [--gloo]`; kill it on timeout.
+
+    The MPI controller needs Open MPI's mpirun first on PATH (the kit's shim
+    dir); the gloo controller needs no MPI at all. Output tags such as
+    `[1,0]<stdout>:` are stripped so `Job.ok_lines` reads the rank lines.
+    """
+    full_env = dict(os.environ) if gloo else mpi_select.environ_for("system")
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                     "PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")})
+    full_env.update(env or {})
+    cmd = [str(HOROVODRUN), "-np", str(nranks), *(["--gloo"] if gloo else []),
+           sys.executable, str(PROGRAMS / program), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = _stop_horovodrun(proc)
+        return Job(-9, out + f"\n*** TIMEOUT after {timeout}s: job killed ***", cmd)
+    return Job(proc.returncode, _HOROVOD_TAG.sub("", out), cmd)
+
+
+def _stop_horovodrun(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM first: horovodrun then stops the ranks it started in their own
+    process groups, which a SIGKILL of its group alone would leave running."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    return out

@@ -27,14 +27,8 @@ class Request(Protocol):
     def Wait(self) -> Any: ...  # noqa: N802
 
 
-class Channel(Protocol):
-    """Non-blocking collectives on one private communicator pair."""
-
-    rank: int
-    size: int
-    name: str
-
-    def iallgather_slots(self, send: Array, recv: Array) -> Request: ...
+class DataTransport(Protocol):
+    """The data-stage operations: what a collective's stages call."""
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request: ...
 
@@ -50,6 +44,17 @@ class Channel(Protocol):
     def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
                    rcounts: list[int]) -> Request: ...
 
+
+class Channel(DataTransport, Protocol):
+    """Non-blocking collectives on one private communicator set (header, data,
+    point-to-point, bulk) so each subsystem orders its own traffic."""
+
+    rank: int
+    size: int
+    name: str
+
+    def iallgather_slots(self, send: Array, recv: Array) -> Request: ...
+
     def ibarrier(self) -> Request: ...
 
     # -- point-to-point, on a third private communicator (sync primitives) ----
@@ -63,6 +68,12 @@ class Channel(Protocol):
 
     def p2p_iallreduce_max(self, send: Array, recv: Array) -> Request:
         """Element-wise max of int64 words over ranks (agreement, fast barriers)."""
+        ...
+
+    def bulk_view(self) -> DataTransport | None:
+        """The same methods, returning `Deferred` blocking calls on a separate
+        communicator, for large transfers run in the engine's wait thread
+        (None: the transport has no bulk path)."""
         ...
 
     def close(self) -> None: ...

@@ -90,7 +90,8 @@ class MPIChannel:
                    rcounts: list[int]) -> Request:
         scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
         return self.data.Ialltoallv(  # type: ignore[no-any-return]
-            [_bytes(send), (scounts, _displs(scounts))], [_bytes(recv), (rcounts, _displs(rcounts))])
+            [_bytes(send), (scounts, _displs(scounts))],
+            [_bytes(recv), (rcounts, _displs(rcounts))])
 
     def ibarrier(self) -> Request:
         return self.hdr.Ibarrier()  # type: ignore[no-any-return]
@@ -140,6 +141,10 @@ class MPIBackend:
         self.cross_size = self._cross.Get_size()
         self.thread_level = MPI.Query_thread()
         self._channels: list[MPIChannel] = []
+        # The watchdog's heartbeats travel on their own communicator, so they
+        # never match anything else and a busy data channel cannot delay them.
+        self.watchdog_comm = self.world.Dup()
+        self.watchdog_comm.Set_name("asynclock.watchdog")
 
     def channel(self, name: str) -> MPIChannel:
         """Collective call: every rank must create channels in the same order."""
@@ -156,7 +161,7 @@ class MPIBackend:
         for ch in self._channels:
             ch.close()
         self._channels.clear()
-        for comm in (self._cross, self._node, self.world):
+        for comm in (self.watchdog_comm, self._cross, self._node, self.world):
             comm.Free()
 
 
@@ -191,4 +196,5 @@ class BulkChannel:
                    rcounts: list[int]) -> Request:
         scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
         return Deferred(lambda: self._c.Alltoallv(
-            [_bytes(send), (scounts, _displs(scounts))], [_bytes(recv), (rcounts, _displs(rcounts))]))
+            [_bytes(send), (scounts, _displs(scounts))],
+            [_bytes(recv), (rcounts, _displs(rcounts))]))

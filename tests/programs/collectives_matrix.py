@@ -6,6 +6,8 @@ compute the expected result of any collective locally.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from _common import report, run
@@ -139,8 +141,18 @@ async def check_many_in_flight(c: asynclock.Coordinator) -> int:
     return len(handles) + len(big)
 
 
+def expected_backend() -> str | None:
+    """`--expect-backend NAME`: fail unless the job really runs on that backend."""
+    if "--expect-backend" not in sys.argv:
+        return None
+    return sys.argv[sys.argv.index("--expect-backend") + 1]
+
+
 async def main() -> None:
     async with asynclock.start() as c:
+        want = expected_backend()
+        assert want in (None, c.backend.name), f"backend {c.backend.describe()}, want {want}"
+        report(c.rank, "backend", c.backend.describe())
         total = 0
         for check in (check_allreduce, check_numpy, check_broadcast, check_allgather,
                       check_reduce_scatter_alltoall, check_objects_and_barrier,

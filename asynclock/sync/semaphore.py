@@ -1,0 +1,33 @@
+"""A counting semaphore across ranks: at most `n` holders anywhere at once.
+
+Every rank must create it with the same `n`; the home rank checks, and a
+rank that disagrees gets a MismatchError on its first acquire.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._permits import Permits, PermitStatistics
+
+if TYPE_CHECKING:
+    from ._service import SyncService
+
+SemaphoreStatistics = PermitStatistics
+
+
+class Semaphore(Permits):
+    """`n` permits shared by every task on every rank, granted in FIFO order.
+
+    Permits are not owned by a task: `release()` gives back the current
+    task's permit if it holds one, else the oldest permit held on this rank.
+    """
+
+    kind = "semaphore"
+
+    def __init__(self, service: SyncService, name: str, n: int) -> None:
+        super().__init__(service, name, n)
+
+    @property
+    def initial_value(self) -> int:
+        return self.capacity

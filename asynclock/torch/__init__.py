@@ -1,0 +1,133 @@
+"""`import asynclock.torch as hvd`: Horovod's PyTorch API on asynclock.
+
+    hvd.init()
+    model = ...; optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+The async API for custom loops is `coord.train_step(optimizer)` (see
+`asynclock.torch.step`). Gradients travel in agreed, overlapped buckets
+(see `asynclock.torch.reducer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import runtime
+from ..ops import Average, Max, Min, Product, ReduceOp, Sum
+from ..runtime import (
+    cross_rank,
+    cross_size,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    size,
+)
+from .compression import Compression, Compressor
+from .config import Tuning, training_policy
+from .mpi_ops import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    grouped_allreduce,
+    join,
+    poll,
+    reducescatter,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+from .params import (
+    broadcast_optimizer_state,
+    broadcast_optimizer_state_async,
+    broadcast_parameters,
+    broadcast_parameters_async,
+)
+from .reducer import quiesce_all
+from .step import TrainStep, TrainStepStatistics, train_step
+
+Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError for it
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Horovod's `hvd.init()`: start this rank's coordinator (idempotent)."""
+    if process_sets not in (None, "dynamic") and process_sets:
+        raise NotImplementedError("process sets are not supported by asynclock")
+    runtime.init(comm=comm, policy=training_policy())
+
+
+def shutdown() -> None:
+    """Finish every optimizer's outstanding round, then shut the coordinator down."""
+    if runtime.is_initialized():
+        quiesce_all()
+    runtime.shutdown()
+
+
+def mpi_threads_supported() -> bool:
+    backend = runtime.coordinator().backend
+    level = getattr(backend, "thread_level", None)
+    return level is not None and level >= 3  # MPI_THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return runtime.coordinator().backend.name == "mpi"
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    return True
+
+
+__all__ = [
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "Max", "Min",
+    "Product", "ReduceOp", "Sum", "TrainStep", "TrainStepStatistics", "Tuning", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_optimizer_state_async", "broadcast_parameters", "broadcast_parameters_async",
+    "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "grouped_allreduce",
+    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "quiesce_all", "reducescatter", "rocm_built", "shutdown", "size", "synchronize",
+    "train_step", "training_policy",
+]

@@ -1,0 +1,58 @@
+"""Layer-gated forward: start the next forward before every bucket is in.
+
+A forward pre-hook on each module that owns reduced parameters applies the
+deferred update of those parameters (waiting only for their buckets) right
+before the module runs. Front layers' buckets are launched first under the
+priority plan, so the forward walks through the network roughly as their
+gradients arrive, instead of waiting for the whole model.
+
+Results are bit-identical to the ungated path as long as every parameter is
+used through its owning module (the usual case). A parameter used directly
+by another module (e.g. tied weights read via `other.weight`) may be read
+before its update; turn gating off for such models. The next backward, a
+`zero_grad` and explicit flushes apply whatever is still pending.
+
+Waiting blocks the thread that runs forward, so while updates are deferred
+the forward must not run on the event-loop thread: under the async API use
+`await step.forward(...)` (or `await step.flush()` first). Whether updates
+are deferred depends only on program order (set when a step ends, cleared
+once all are applied), never on timing, so this rule fails the same way
+every time.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from .apply import Updates
+from .registry import ParamRegistry
+
+
+class ForwardGate:
+    """Forward pre-hooks on every module that owns reduced parameters."""
+
+    def __init__(self, model: torch.nn.Module, registry: ParamRegistry,
+                 updates: Updates) -> None:
+        self.updates = updates
+        self.enabled = True
+        self._handles: list[Any] = []
+        for module in model.modules():
+            own = registry.indices(module.parameters(recurse=False))
+            if own:
+                self._handles.append(module.register_forward_pre_hook(partial(self._pre, own)))
+
+    @property
+    def modules(self) -> int:
+        return len(self._handles)
+
+    def _pre(self, own: list[int], module: torch.nn.Module, args: Any) -> None:
+        if self.enabled:
+            self.updates.ensure(own)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

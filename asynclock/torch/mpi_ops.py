@@ -1,0 +1,221 @@
+"""Horovod's tensor collectives, synchronous, on the coordinator's loop thread.
+
+`allreduce_async` returns an integer handle as Horovod does; `poll(h)` and
+`synchronize(h)` complete it. Each call hops to the private loop thread
+(`coord.run_sync`) to start or await the checked collective, so the same
+header checks, mismatch errors and progress engine serve both APIs. The
+default reduce op is Average, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import runtime
+from ..handle import Handle
+from ..ops import ReduceOp, as_reduce_op
+from .compression import Compression
+
+Post = Callable[[Any], Any]
+_handles: dict[int, tuple[Handle, Post]] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _reduce_op(average: bool | None, op: Any) -> ReduceOp:
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
+    if op is None:
+        return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
+    return as_reduce_op(op)
+
+
+def _start(fn: Callable[[], Handle]) -> Handle:
+    """Start a collective on the loop thread (engine state is loop-only)."""
+    async def go() -> Handle:
+        return fn()
+
+    return runtime.coordinator().run_sync(go)
+
+
+def _register(handle: Handle, post: Post) -> int:
+    with _lock:
+        n = next(_ids)
+        _handles[n] = (handle, post)
+    return n
+
+
+def poll(handle: int) -> bool:
+    """True once `synchronize(handle)` would return without waiting."""
+    return _handles[handle][0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for an `*_async` collective and return its output."""
+    with _lock:
+        h, post = _handles.pop(handle)
+
+    async def wait() -> Any:
+        return await h
+
+    return post(runtime.coordinator().run_sync(wait))
+
+
+# -- allreduce --------------------------------------------------------------------------
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    compression: Any = Compression.none, op: Any = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None) -> int:
+    """Start an averaged (default) or summed allreduce of a copy of `tensor`."""
+    rop = _reduce_op(average, op)
+    work, ctx = compression.compress(tensor)
+    if prescale_factor != 1.0:
+        work = work * prescale_factor
+    coord = runtime.coordinator()
+    handle = _start(lambda: coord.allreduce_async(work.contiguous(), rop, name=name))
+
+    def post(out: torch.Tensor) -> torch.Tensor:
+        out = compression.decompress(out, ctx)
+        return out * postscale_factor if postscale_factor != 1.0 else out
+
+    return _register(handle, post)
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None) -> torch.Tensor:
+    """The reduction of `tensor` over all ranks, as a new tensor."""
+    return synchronize(allreduce_async(tensor, average, name, compression, op,  # type: ignore[no-any-return]
+                                       prescale_factor, postscale_factor))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = None) -> int:
+    """In-place variant: `synchronize` writes the result into `tensor` and returns it."""
+    n = allreduce_async(tensor, average, name, Compression.none, op, prescale_factor,
+                        postscale_factor)
+    handle, post = _handles[n]
+    _handles[n] = (handle, lambda out: tensor.copy_(post(out)))
+    return n
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None) -> torch.Tensor:
+    return synchronize(allreduce_async_(tensor, average, name, op,  # type: ignore[no-any-return]
+                                        prescale_factor, postscale_factor))
+
+
+def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """Allreduce each tensor (all in flight together)."""
+    handles = [allreduce_async(t, average, f"{name}.{n}" if name else None, compression, op,
+                               prescale_factor, postscale_factor) for n, t in enumerate(tensors)]
+    return [synchronize(h) for h in handles]
+
+
+# -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+    coord = runtime.coordinator()
+    return _register(_start(lambda: coord.allgather_async(tensor.contiguous(), name=name)),
+                     lambda out: out)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Any:
+    """Every rank's tensor concatenated along dim 0 (dim 0 may differ per rank)."""
+    return synchronize(allgather_async(tensor, name))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = None) -> int:
+    coord = runtime.coordinator()
+    return _register(_start(lambda: coord.broadcast_async(tensor.contiguous(), root_rank,
+                                                          name=name)), lambda out: out)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = None) -> Any:
+    """Root's tensor, as a new tensor on every rank."""
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = None) -> int:
+    coord = runtime.coordinator()
+    return _register(_start(lambda: coord.broadcast_async_(tensor, root_rank, name=name)),
+                     lambda out: tensor)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = None) -> Any:
+    """Overwrite `tensor` with root's, in place."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: Any = None) -> Any:
+    """Send `splits[r]` rows to rank r; with `splits`, also return the received splits."""
+    coord = runtime.coordinator()
+    split_list = None if splits is None else [int(s) for s in splits]
+    out, received = _wait(_start(lambda: coord.alltoall_async(tensor.contiguous(), split_list,
+                                                             name=name)))
+    return out if splits is None else (out, torch.tensor(received, dtype=torch.int32))
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
+                  op: Any = ReduceOp.AVERAGE, process_set: Any = None) -> Any:
+    """This rank's slice (dim 0, first ranks larger) of the reduction."""
+    coord = runtime.coordinator()
+    return _wait(_start(lambda: coord.reduce_scatter_async(tensor.contiguous(), _reduce_op(
+        None, op), name=name)))
+
+
+def _wait(handle: Handle) -> Any:
+    async def wait() -> Any:
+        return await handle
+
+    return runtime.coordinator().run_sync(wait)
+
+
+# -- objects and coordination ------------------------------------------------------------
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """Root's picklable object on every rank."""
+    coord = runtime.coordinator()
+    return coord.run_sync(lambda: coord.broadcast_object(obj, root_rank, name=name))
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Every rank's picklable object, in rank order."""
+    coord = runtime.coordinator()
+    return coord.run_sync(lambda: coord.allgather_object(obj, name=name))
+
+
+def barrier(process_set: Any = None) -> None:
+    coord = runtime.coordinator()
+    coord.run_sync(coord.barrier)
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank called `join()`; return the rank that joined last.
+
+    Unlike Horovod, ranks that joined do not stand in (with zeros) for other
+    ranks' later gradient allreduces: every rank must run the same number of
+    optimizer steps before joining, or the others report a stall.
+    """
+    coord = runtime.coordinator()
+    stamps = coord.run_sync(lambda: coord.allgather_object((time.time(), coord.rank),
+                                                            name="join"))
+    return int(max(stamps)[1])

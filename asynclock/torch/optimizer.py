@@ -1,0 +1,189 @@
+"""Horovod's `DistributedOptimizer`, on asynclock's bucketed, overlapped reducer.
+
+Built the way Horovod builds it (a subclass of the user's optimizer class,
+created on the fly), so `isinstance(opt, torch.optim.SGD)`, LR schedulers and
+`state_dict()` keep working. Hooks fire in the user's thread during
+`loss.backward()` and launch buckets through the coordinator's private loop
+thread; `step()` waits for the buckets and applies the optimizer.
+
+Beyond Horovod (keyword-only): `per_bucket_step=True` applies the update
+per bucket as buckets arrive; `gate_forward=model` returns from `step()` at
+once and lets the next forward start on layers whose buckets are in; and
+`no_sync()` accumulates gradients locally without communicating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import runtime
+from ..ops import ReduceOp
+from .apply import only
+from .config import Tuning, build_options
+from .gate import ForwardGate
+from .link import sync_link
+from .reducer import Finish, Params, Reducer, gradient_lane
+from .registry import ParamRegistry
+
+ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
+                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                  "cause a race condition.")
+STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                   "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                   "consider using optimizer.skip_synchronize() context if you use "
+                   "optimizer.synchronize() in your code.")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer class."""
+
+    _base_class: type[torch.optim.Optimizer]
+
+    def __init__(self, params: Any, named_parameters: Any, options: dict[str, Any],
+                 tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None) -> None:
+        self._base_class.__init__(self, params)  # type: ignore[call-arg]
+        coord = runtime.coordinator()
+        registry = ParamRegistry(self.param_groups, named_parameters)
+        opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
+        link = sync_link(coord)
+        self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
+                                gradient_lane(coord))
+        self._mode = mode
+        self._should_synchronize = True
+        self._synchronized = False
+        self._gate = None if gate_model is None else ForwardGate(
+            gate_model, registry, self._reducer.updates)
+        if gate_model is not None:
+            self._reducer.bucketer.before = lambda i: self._reducer.updates.ensure((i,))
+        try:
+            coord.run_sync(self._reducer.check_signature)
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    def _remove_hooks(self) -> None:
+        self._reducer.remove()
+        if self._gate is not None:
+            self._gate.remove()
+
+    # -- applying updates (called by the reducer) --------------------------------------
+    def _step_params(self, params: Params) -> None:
+        if len(params) == len(self._reducer.registry.params):
+            self._base_class.step(self)
+            return
+        with only(self, params):
+            self._base_class.step(self)
+
+    def _zero_params(self, params: Params, set_to_none: bool) -> None:
+        with only(self, params):
+            self._base_class.zero_grad(self, set_to_none)
+
+    # -- Horovod's API ---------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced (launching whatever did not launch)."""
+        self._reducer.synchronize()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """`step()` inside this block does not synchronize (after a manual one)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self._should_synchronize:
+            self._synchronized = False
+            return self._base_class.step(self, closure)
+        if self._synchronized:
+            warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
+        self._synchronized = False
+        mode = Finish.WHOLE if closure is not None else self._mode
+        if mode is Finish.WHOLE:
+            self._reducer.synchronize()
+            return self._base_class.step(self, closure)
+        self._reducer.finish(self._reducer.close_round(), mode)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._reducer.bucketer.active is not None:
+            raise AssertionError(ZERO_GRAD_RACE)
+        self._reducer.updates.zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self._reducer.passes = passes
+
+    # -- asynclock's additions ------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally (like DDP's `no_sync`)."""
+        self._reducer.bucketer.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._reducer.bucketer.no_sync_depth -= 1
+
+    def apply_pending(self) -> None:
+        """Apply every update deferred by forward gating (waits for its buckets)."""
+        self._reducer.updates.flush()
+
+    def set_forward_gate(self, enabled: bool) -> None:
+        """Switch layer-gated forward on or off (it needs `gate_forward=model`)."""
+        if self._gate is None:
+            raise ValueError("forward gating was not set up: pass gate_forward=model")
+        self.apply_pending()
+        self._gate.enabled = enabled
+        self._mode = Finish.DEFERRED if enabled else Finish.WHOLE
+
+    def state_dict(self) -> dict[str, Any]:
+        self.apply_pending()
+        return self._base_class.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.apply_pending()
+        self._base_class.load_state_dict(self, state_dict)
+
+    @property
+    def reducer(self) -> Reducer:
+        """The reducer (plan, scheduler statistics) behind this optimizer."""
+        return self._reducer
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
+                         compression: Any = None, backward_passes_per_step: int = 1,
+                         op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = None, *, per_bucket_step: bool = False,
+                         gate_forward: torch.nn.Module | None = None,
+                         tuning: Tuning | None = None) -> Any:
+    """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks."""
+    _check_unsupported(op, sparse_as_dense, process_set)
+    from .compression import Compression
+
+    options = {"compression": compression or Compression.none,
+               "backward_passes_per_step": backward_passes_per_step, "op": op,
+               "gradient_predivide_factor": gradient_predivide_factor,
+               "groups": groups if groups is not None else (num_groups or None)}
+    mode = (Finish.DEFERRED if gate_forward is not None
+            else Finish.PER_BUCKET if per_bucket_step else Finish.WHOLE)
+    base = optimizer.__class__
+    cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
+    return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
+               gate_forward)
+
+
+def _check_unsupported(op: Any, sparse_as_dense: bool, process_set: Any) -> None:
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("process sets other than the global one are not supported")
+    del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed

@@ -1,0 +1,134 @@
+"""Flat gradient buffers: where packed gradients live while they travel.
+
+When a parameter communicates in its own dtype ("direct"), its `.grad`
+becomes a view into the flat buffer: the hook's copy is the only copy, the
+allreduce works in place, and the reduced values are already in `.grad`.
+Later backward passes accumulate straight into the view. When gradients are
+compressed ("staged"), the buffer holds the compressed copy and reduced
+values are cast back into `.grad` per bucket.
+
+Scaling is fused into the pack copy: averaging multiplies by 1/size (or
+1/predivide) while copying, so the reduction itself is a plain sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .buckets import Bucket, Plan
+from .registry import ParamRegistry
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64)}
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _nothing() -> None:
+    return None
+
+
+class GradStorage:
+    """Buffers and views for one plan; in a shared window when `arena` is given.
+
+    `writable()` runs before any write into the buffers: with shared memory,
+    other ranks may still be reading the previous round from them.
+    """
+
+    def __init__(self, plan: Plan, registry: ParamRegistry, arena: Any = None) -> None:
+        self.plan, self.registry = plan, registry
+        self.peers: dict[str, list[torch.Tensor]] = {}
+        if arena is not None:
+            self.peers = {g: arena.buffers(g, _DTYPES[g], n) for g, n in plan.group_numel.items()}
+            self.flat = {g: bufs[arena.rank] for g, bufs in self.peers.items()}
+            for buf in self.flat.values():
+                buf.zero_()
+        else:
+            self.flat = {g: torch.zeros(n, dtype=_DTYPES[g]) for g, n in plan.group_numel.items()}
+        self.writable: Callable[[], None] = _nothing
+        self.comm = [self.flat[b.group][b.offset: b.offset + b.numel] for b in plan.buckets]
+        self.region: dict[int, torch.Tensor] = {}
+        self.direct: dict[int, bool] = {}
+        for i, k in ((i, ks[0]) for i, ks in plan.param_buckets.items()):
+            p, group = registry.params[i], plan.buckets[k].group
+            off = plan.param_offset[i]
+            self.region[i] = self.flat[group][off: off + p.numel()]
+            self.direct[i] = p.dtype == self.flat[group].dtype
+
+    def view(self, i: int) -> torch.Tensor:
+        return self.region[i].view(self.registry.params[i].shape)
+
+    # -- thread side: called from autograd hooks --------------------------------
+    def accumulate(self, i: int) -> None:
+        """A non-final pass: keep the running sum in the buffer (direct only)."""
+        if i in self.region and self.direct[i]:
+            p = self.registry.params[i]
+            view = self.view(i)
+            if not _same(p.grad, view):
+                assert p.grad is not None
+                self.writable()
+                view.copy_(p.grad)
+                p.grad = view
+
+    def pack(self, i: int, scale: float) -> None:
+        """The final pass: scaled copy into the buffer (or scale in place)."""
+        if i not in self.region:
+            return
+        self.writable()
+        p = self.registry.params[i]
+        if p.grad is None:
+            self._zero(i, p)
+            return
+        if self.direct[i]:
+            self._pack_direct(i, p, scale)
+            return
+        if not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+        torch.mul(p.grad.view(-1), scale, out=self.region[i])
+
+    def _pack_direct(self, i: int, p: torch.Tensor, scale: float) -> None:
+        view = self.view(i)
+        if _same(p.grad, view):
+            if scale != 1.0:
+                view.mul_(scale)
+            return
+        assert p.grad is not None
+        if scale != 1.0:
+            torch.mul(p.grad, scale, out=view)
+        else:
+            view.copy_(p.grad)
+        p.grad = view
+
+    def _zero(self, i: int, p: torch.Tensor) -> None:
+        """A parameter without a gradient on this rank contributes zeros (Horovod)."""
+        self.region[i].zero_()
+        p.grad = self.view(i) if self.direct[i] else torch.zeros_like(p)
+
+    # -- consumer side: after the bucket arrived -------------------------------
+    def unpack(self, k: int, post: float) -> None:
+        """Make bucket k's reduced values the parameters' gradients."""
+        bucket: Bucket = self.plan.buckets[k]
+        src = self.comm[k]
+        for seg in bucket.segments:
+            part = src[seg.offset - bucket.offset: seg.offset - bucket.offset + seg.numel]
+            if self.direct[seg.param]:
+                if post != 1.0:
+                    part.mul_(post)
+                continue
+            grad = self.registry.params[seg.param].grad
+            assert grad is not None and grad.is_contiguous()
+            torch.mul(part, post, out=grad.view(-1)[seg.start: seg.stop])
+
+    def adopt(self) -> None:
+        """After a re-plan: move current gradients into the new views."""
+        for i in self.region:
+            p = self.registry.params[i]
+            if p.grad is not None and self.direct[i]:
+                self.view(i).copy_(p.grad)
+                p.grad = self.view(i)

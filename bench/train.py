@@ -1,0 +1,345 @@
+"""Training throughput per rank: compute only, naive, Horovod, DDP and asynclock, same run.
+
+Run: mpiexec -n 2 python bench/train.py [--json PATH] [--models mlp,cnn]
+     (Horovod needs its MPI: eval "$(python3 mpi/select.py env system)" and
+      $(python3 mpi/select.py launcher system -n 2) python bench/train.py)
+
+Every method trains its own copy of the same model (same init, same data,
+SGD with momentum, one torch thread per rank) in the same job. Methods take
+turns window by window, so a noisy neighbour slows all of them alike; each
+figure is the median over windows of samples/s per rank (the slowest rank's
+time in each window). Exposed communication = 1 - compute-only step time /
+method step time. Methods:
+
+* compute: forward, backward, step; no communication at all;
+* naive: backward, then one blocking mpi4py Allreduce of all gradients flattened;
+* horovod: horovod.torch.DistributedOptimizer (skipped unless it loads);
+* ddp: torch DistributedDataParallel on gloo (env from MPI rank/size);
+* asynclock: asynclock.torch.DistributedOptimizer (Horovod API, whole step);
+* asynclock-bucket: the same, optimizer applied per bucket as buckets arrive;
+* asynclock-gated: the same, next forward gated per layer (agreed priority order);
+* asynclock-gated-mpi: gated, buckets as MPI allreduces instead of the shared window;
+* asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+Step = Callable[[], None]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the figures here (rank 0)")
+    p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--methods", default="compute,naive,horovod,ddp,asynclock,"
+                   "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-async")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=4, help="steps per method before timing")
+    p.add_argument("--windows", type=int, default=7)
+    p.add_argument("--steps", type=int, default=6, help="steps per timed window")
+    p.add_argument("--bucket-mb", type=float, default=None, help="asynclock bucket cap")
+    p.add_argument("--link", default=None,
+                   help="label of the network between hosts (e.g. 5gbit); stored in the JSON")
+    return p.parse_args()
+
+
+# -- models -----------------------------------------------------------------------------
+def mlp() -> torch.nn.Module:
+    dims = [1024, 2048, 2048, 2048]
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(dims, dims[1:], strict=False):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(2048, 10))
+
+
+def cnn() -> torch.nn.Module:
+    r = torch.nn.ReLU
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), r(), torch.nn.Conv2d(32, 64, 3, padding=1), r(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(64, 128, 3, padding=1), r(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(8192, 1024), r(), torch.nn.Linear(1024, 10))
+
+
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]] = {
+    "mlp": (mlp, (1024,)), "cnn": (cnn, (3, 32, 32))}
+
+
+class Trainer:
+    """One method's model, optimizer and data; `step()` is one training step."""
+
+    def __init__(self, model_name: str, batch: int) -> None:
+        build, shape = MODELS[model_name]
+        torch.manual_seed(0)
+        self.model = build()
+        self.opt: Any = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(1 + WORLD.rank)
+        self.x = torch.randn(batch, *shape, generator=g)
+        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.forward: Callable[[], torch.Tensor] = lambda: self.model(self.x)
+
+    def loss(self) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.forward(), self.y)
+
+    def plain_step(self) -> None:
+        self.opt.zero_grad()
+        self.loss().backward()
+        self.opt.step()
+
+
+# -- methods ----------------------------------------------------------------------------
+def compute(t: Trainer, args: argparse.Namespace) -> Step:
+    return t.plain_step
+
+
+def naive(t: Trainer, args: argparse.Namespace) -> Step:
+    params = list(t.model.parameters())
+
+    def step() -> None:
+        t.opt.zero_grad()
+        t.loss().backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        WORLD.Allreduce(MPI.IN_PLACE, flat.numpy())
+        flat /= WORLD.size
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset: offset + n].view_as(p))
+            offset += n
+        t.opt.step()
+
+    return step
+
+
+_HVD: Any = None
+
+
+def horovod(t: Trainer, args: argparse.Namespace) -> Step:
+    global _HVD
+    if _HVD is None:
+        _HVD = _load_horovod()
+    t.opt = _HVD.DistributedOptimizer(t.opt, named_parameters=t.model.named_parameters())
+    return t.plain_step
+
+
+def _load_horovod() -> Any:
+    """Horovod shares our MPI world only if it was built for this MPI (Open MPI here)."""
+    if "Open MPI" not in MPI.Get_library_version():
+        raise RuntimeError("Horovod is built against the system Open MPI, and this job runs "
+                           "on another MPI; launch with mpi/select.py's system launcher")
+    import horovod.torch as hvd
+
+    hvd.init(comm=WORLD)
+    return hvd
+
+
+def ddp(t: Trainer, args: argparse.Namespace) -> Step:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        hosts = WORLD.allgather(platform.node())
+        port, addr = 0, "127.0.0.1"
+        if WORLD.rank == 0:
+            if len(set(hosts)) > 1:  # ranks on other hosts: rank 0's own address
+                addr = socket.gethostbyname(socket.gethostname())
+            with socket.socket() as s:
+                s.bind((addr, 0))
+                port = s.getsockname()[1]
+        addr, port = WORLD.bcast((addr, port), root=0)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port),
+                          RANK=str(WORLD.rank), WORLD_SIZE=str(WORLD.size))
+        dist.init_process_group("gloo", rank=WORLD.rank, world_size=WORLD.size)
+    wrapped = torch.nn.parallel.DistributedDataParallel(t.model)
+    t.forward = lambda: wrapped(t.x)
+    return t.plain_step
+
+
+def tuning(args: argparse.Namespace, shm: bool = True) -> Any:
+    from asynclock.torch import Tuning
+
+    if args.bucket_mb is None:
+        return Tuning(shm=shm)
+    return Tuning(bucket_cap_mb=args.bucket_mb, first_bucket_mb=min(1.0, args.bucket_mb), shm=shm)
+
+
+def asynclock_opt(t: Trainer, args: argparse.Namespace, shm: bool = True, **kw: Any) -> Step:
+    import asynclock.torch as alk
+
+    alk.init()
+    t.opt = alk.DistributedOptimizer(t.opt, named_parameters=t.model.named_parameters(),
+                                     tuning=tuning(args, shm), **kw)
+    return t.plain_step
+
+
+_ASYNC: Any = None
+
+
+def asynclock_async(t: Trainer, args: argparse.Namespace) -> Step:
+    """The async API (`coord.train_step`, gated forward) on its own coordinator and
+    loop thread; each step is one `async with step:` block driven through a portal."""
+    global _ASYNC
+    from anyio.from_thread import start_blocking_portal
+
+    import asynclock
+    from asynclock.runtime import make_backend
+    from asynclock.torch import training_policy
+
+    if _ASYNC is None:  # Coordinator(): a collective, every rank at the same point
+        coord = asynclock.Coordinator(make_backend("mpi"), training_policy())
+        portal_cm = start_blocking_portal()
+        portal = portal_cm.__enter__()
+        running = portal.wrap_async_context_manager(coord.running())
+        running.__enter__()
+        _ASYNC = (coord, portal, portal_cm, running)
+    coord, portal = _ASYNC[0], _ASYNC[1]
+
+    async def make() -> Any:
+        return coord.train_step(t.opt, model=t.model, gate_forward=True, tuning=tuning(args))
+
+    train_step = portal.call(make)
+
+    async def one() -> None:
+        async with train_step:
+            loss = await train_step.forward(t.loss)
+            await train_step.backward(loss)
+
+    return lambda: portal.call(one)
+
+
+METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
+    "compute": compute, "naive": naive, "horovod": horovod, "ddp": ddp,
+    "asynclock": asynclock_opt,
+    "asynclock-bucket": lambda t, a: asynclock_opt(t, a, per_bucket_step=True),
+    "asynclock-gated": lambda t, a: asynclock_opt(t, a, gate_forward=t.model),
+    "asynclock-gated-mpi": lambda t, a: asynclock_opt(t, a, False, gate_forward=t.model),
+    "asynclock-async": asynclock_async,
+}
+
+
+# -- timing -----------------------------------------------------------------------------
+def window(step: Step, n: int) -> tuple[float, float]:
+    """Seconds for n steps on the slowest rank (all ranks start together), and the
+    CPU seconds this rank's process used meanwhile (every thread counts)."""
+    WORLD.Barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return float(WORLD.allreduce(wall, op=MPI.MAX)), cpu
+
+
+def prepare(model: str, names: list[str], args: argparse.Namespace) -> dict[str, Step]:
+    steps: dict[str, Step] = {}
+    for name in names:
+        trainer = Trainer(model, args.batch)
+        try:
+            steps[name] = METHODS[name](trainer, args)
+        except Exception as exc:  # e.g. Horovod built for another MPI: note and go on
+            note(f"{model}/{name} skipped: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        for _ in range(args.warmup):
+            steps[name]()
+    return steps
+
+
+def measure(model: str, names: list[str],
+            args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of each method (windows interleaved across
+    methods), and median CPU seconds per step of rank 0's process."""
+    steps = prepare(model, names, args)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    cpus: dict[str, list[float]] = {n: [] for n in steps}
+    order = list(steps)
+    for w in range(args.windows):
+        for name in order[w % len(order):] + order[: w % len(order)]:
+            wall, cpu = window(steps[name], args.steps)
+            times[name].append(wall / args.steps)
+            cpus[name].append(cpu / args.steps)
+    return ({n: statistics.median(ts) for n, ts in times.items()},
+            {n: statistics.median(cs) for n, cs in cpus.items()})
+
+
+def note(text: str) -> None:
+    if WORLD.rank == 0:
+        print(f"# {text}", file=sys.stderr, flush=True)
+
+
+def system_info() -> dict[str, Any]:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "ranks": WORLD.size,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "python": platform.python_version(),
+            "asynclock_backend": os.environ.get("ASYNCLOCK_BACKEND", "auto")}
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    names = args.methods.split(",")
+    out: dict[str, Any] = {"system": system_info(), "link": args.link, "model": {},
+                           "samples_per_s": {},
+                           "exposed_comm": {}, "step_ms": {}, "cpu_ms_per_step": {}}
+    for model in args.models.split(","):
+        per_step, cpu = measure(model, names, args)
+        out["cpu_ms_per_step"][model] = {n: 1e3 * c for n, c in cpu.items()}
+        params = sum(p.numel() for p in MODELS[model][0]().parameters())
+        out["model"][model] = {"params": params, "batch": args.batch}
+        out["samples_per_s"][model] = {n: args.batch / s for n, s in per_step.items()}
+        out["step_ms"][model] = {n: 1e3 * s for n, s in per_step.items()}
+        if "compute" in per_step:
+            out["exposed_comm"][model] = {n: max(0.0, 1 - per_step["compute"] / s)
+                                          for n, s in per_step.items() if n != "compute"}
+        table(model, out)
+    if args.json and WORLD.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    finish()
+
+
+def table(model: str, out: dict[str, Any]) -> None:
+    if WORLD.rank:
+        return
+    sps, exp = out["samples_per_s"][model], out["exposed_comm"].get(model, {})
+    ms, cpu = out["step_ms"][model], out["cpu_ms_per_step"][model]
+    print(f"\n{model} ({out['model'][model]['params'] / 1e6:.1f} M params, batch "
+          f"{out['model'][model]['batch']}, {WORLD.size} ranks)\n"
+          f"  {'method':18s} {'samples/s':>9s} {'step ms':>8s} {'cpu ms':>7s}  exposed comm")
+    for name, v in sps.items():
+        extra = f"{exp[name]:.0%}" if name in exp else "-"
+        print(f"  {name:18s} {v:9.1f} {ms[name]:8.1f} {cpu[name]:7.1f}  {extra}")
+    sys.stdout.flush()
+
+
+def finish() -> None:
+    if _ASYNC is not None:
+        from asynclock.torch import quiesce_all
+
+        coord, portal, portal_cm, running = _ASYNC
+        quiesce_all()
+        running.__exit__(None, None, None)
+        portal_cm.__exit__(None, None, None)
+        coord.shutdown()
+    if "asynclock.torch" in sys.modules:
+        import asynclock.torch
+
+        asynclock.torch.shutdown()  # lets deferred rounds finish on every rank first
+    if _HVD is not None:
+        _HVD.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""Drive the netrig test cluster (../shared/netrig) from Python: shared by
+tests/test_netrig.py and bench/netrig.py (not a rank program).
+
+netrig makes hosts nr1..nrN, each a network namespace joined by a switch
+whose links can be rate-limited or cut, so every byte between MPI ranks on
+different hosts crosses real TCP. The namespaces have fixed names, so only
+one rig can exist on a machine: `Rig` holds an exclusive file lock for its
+whole life, and `close()` always ends what is left inside the namespaces
+(processes this rig's jobs started there) before `netrig down`.
+
+Launchers hang when a host is cut off: Open MPI's mpirun waits for the
+unreachable orted and MPICH's mpiexec for its unreachable proxy, for ever
+(no heartbeat on their control connections). `LiveJob.finish` therefore
+takes a deadline, and reports whether the launcher returned by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "mpi"))
+import mpi_select  # noqa: E402
+
+SUBNET = "10.77.0.0/24"  # netrig's hosts
+SSH_SHIM = """#!/bin/sh
+host=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -[oilpFJ]) shift 2 ;;
+    -*) shift ;;
+    *) if [ -n "$host" ]; then break; fi; host=$1; shift ;;
+  esac
+done
+exec {netrig_ssh} "$host" "$@"
+"""
+LOCK_PATH = Path(os.environ.get("ASYNCLOCK_NETRIG_LOCK", "/tmp/asynclock-netrig.lock"))
+# Open MPI's daemons notice a lost control connection only through TCP keepalive
+# (default: after 300 s idle + 9 x 20 s). Fast here; on a cluster pick tens of seconds.
+OMPI_KEEPALIVE = {"OMPI_MCA_oob_tcp_keepalive_time": "2",
+                  "OMPI_MCA_oob_tcp_keepalive_intvl": "1",
+                  "OMPI_MCA_oob_tcp_keepalive_probes": "4"}
+
+
+def find_netrig() -> Path | None:
+    """$ASYNCLOCK_NETRIG, else ../shared/netrig/netrig next to the repo, else PATH."""
+    forced = os.environ.get("ASYNCLOCK_NETRIG")
+    candidates = [Path(forced)] if forced else [ROOT.parent / "shared" / "netrig" / "netrig"]
+    on_path = shutil.which("netrig")
+    candidates += [Path(on_path)] if on_path and not forced else []
+    return next((p for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def unavailable() -> str | None:
+    """Why no rig can be made here (None: it can)."""
+    if not sys.platform.startswith("linux"):
+        return "netrig needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "netrig needs root (network namespaces, veth, tc)"
+    missing = [t for t in ("ip", "unshare", "tc") if shutil.which(t) is None]
+    if missing:
+        return f"netrig needs {', '.join(missing)} (iproute2, util-linux)"
+    if find_netrig() is None:
+        return "netrig script not found (set ASYNCLOCK_NETRIG or check out ../shared/netrig)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True,
+                           timeout=30, check=False)
+    if probe.returncode != 0:
+        return f"cannot make network namespaces here: {probe.stderr.strip()[:200]}"
+    return None
+
+
+def mpi_vendor(kind: str) -> str:
+    """'openmpi' (netrig mpirun) or 'hydra' (netrig mpiexec) for an MPI kind."""
+    return "openmpi" if mpi_select.describe(kind)["vendor"] == "Open MPI" else "hydra"
+
+
+class Rig:
+    """One netrig cluster, held exclusively; use as a context manager."""
+
+    def __init__(self, netrig: Path | None = None, lock_timeout: float = 900.0) -> None:
+        found = netrig or find_netrig()
+        if found is None:
+            raise RuntimeError(unavailable() or "netrig not found")
+        self.netrig = found
+        self.hosts: list[str] = []
+        self._lock_file: IO[str] | None = None
+        self._lock_timeout = lock_timeout
+        self._shims: str | None = None
+
+    def __enter__(self) -> Rig:
+        self._lock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- life cycle -------------------------------------------------------------------
+    def _lock(self) -> None:
+        """Wait for any other rig user on this machine (bounded)."""
+        self._lock_file = open(LOCK_PATH, "a")  # noqa: SIM115 - held until close()
+        deadline = time.monotonic() + self._lock_timeout
+        while True:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another netrig user holds {LOCK_PATH}") from None
+                time.sleep(0.5)
+
+    def up(self, n: int, rate: str | None = None, tcp_retries2: int | None = None) -> list[str]:
+        """Make hosts nr1..nrN. `tcp_retries2` shortens how long a host's TCP keeps
+        retrying an unreachable peer (a launcher daemon on a cut host then exits)."""
+        out = self._netrig("up", str(n), *([rate] if rate else []))
+        self.hosts = out.strip().split(",")
+        if tcp_retries2 is not None:
+            for host in self.hosts:
+                self._in(host, "sysctl", "-q", "-w", f"net.ipv4.tcp_retries2={tcp_retries2}")
+        return self.hosts
+
+    def close(self) -> list[str]:
+        """End what is left in the namespaces, remove them, release the lock."""
+        try:
+            left = self.reap()
+            self._netrig("down")
+            self.hosts = []
+            return left
+        finally:
+            if self._shims is not None:
+                shutil.rmtree(self._shims, ignore_errors=True)
+                self._shims = None
+            if self._lock_file is not None:
+                self._lock_file.close()
+                self._lock_file = None
+
+    def common_nic(self, name: str = "hvd0") -> None:
+        """Give every host an interface called `name` (a macvlan on its link, address
+        10.77.0.(100+i)): horovodrun wants one NIC name common to all hosts, and
+        netrig names each host's link differently (nr1e, nr2e, ...)."""
+        for i, host in enumerate(self.hosts, 1):
+            for cmd in (f"link add link {host}e name {name} type macvlan mode bridge",
+                        f"addr add 10.77.0.{100 + i}/24 dev {name} noprefixroute",
+                        f"link set {name} up"):
+                subprocess.run(["ip", "-n", host, *cmd.split()], check=True, timeout=30,
+                               capture_output=True)
+
+    # -- links --------------------------------------------------------------------------
+    def cut(self, host: str) -> None:
+        self._netrig("cut", host)
+
+    def heal(self, host: str) -> None:
+        self._netrig("heal", host)
+
+    def rate(self, rate: str | None) -> None:
+        self._netrig("rate", rate or "none")
+
+    def rx_bytes(self, host: str) -> int:
+        return int(self._netrig("bytes", host).strip() or 0)
+
+    # -- processes inside the namespaces ----------------------------------------------------
+    def pids(self) -> dict[str, list[int]]:
+        """Processes running inside each host's namespace (all started by our jobs)."""
+        found: dict[str, list[int]] = {}
+        for host in self._existing_hosts():
+            out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True,
+                                 timeout=30, check=False).stdout
+            found[host] = [int(p) for p in out.split()]
+        return found
+
+    def leftovers(self) -> list[str]:
+        """`host pid command` of every process still inside a host."""
+        return [f"{host} {pid} {_cmdline(pid)}" for host, pids in self.pids().items()
+                for pid in pids]
+
+    def reap(self) -> list[str]:
+        """SIGKILL every process still inside a host; what was there."""
+        left = self.leftovers()
+        pids = [pid for found in self.pids().values() for pid in found]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_gone(pids, 5.0)
+        return left
+
+    def _existing_hosts(self) -> list[str]:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                             timeout=30, check=False).stdout
+        return [n for n in (line.split()[0] for line in out.splitlines() if line.strip())
+                if re.fullmatch(r"nr\d+", n)]
+
+    # -- jobs -------------------------------------------------------------------------------
+    def environ(self, kind: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The MPI kind's environment (mpi_select) for ranks on every host."""
+        env: dict[str, str] = dict(mpi_select.environ_for(kind))
+        env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                env.get("PYTHONPATH")]))})
+        if mpi_vendor(kind) == "openmpi":
+            env.update(OMPI_KEEPALIVE)
+        env.update(extra or {})
+        return env
+
+    def launcher_env(self, kind: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """For a launcher started inside a host (`run_on`) that reaches the others by
+        "ssh": what `netrig mpiexec` / `netrig mpirun` put on their command lines, as
+        environment, and an `ssh` on PATH that enters a host (for horovodrun)."""
+        env = self.environ(kind, extra)
+        ssh = str(self.netrig.with_name("netrig-ssh"))
+        env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=ssh, UCX_TLS="tcp,self",
+                   MPIR_CVAR_CH4_NETMOD="ucx", MPIR_CVAR_NOLOCAL="1",
+                   OMPI_MCA_plm_rsh_agent=ssh, OMPI_MCA_btl="tcp,self", OMPI_MCA_pml="ob1",
+                   OMPI_MCA_btl_tcp_if_include=SUBNET, OMPI_MCA_oob_tcp_if_include=SUBNET)
+        env["PATH"] = f"{self._ssh_dir(ssh)}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def _ssh_dir(self, ssh: str) -> str:
+        """A dir with an `ssh` that takes options after the host too (horovodrun puts
+        `-o ConnectTimeout=10` there), then enters the host through netrig-ssh."""
+        if self._shims is None:
+            self._shims = tempfile.mkdtemp(prefix="netrig-ssh-")
+            path = Path(self._shims) / "ssh"
+            path.write_text(SSH_SHIM.format(netrig_ssh=ssh))
+            path.chmod(0o755)
+        return self._shims
+
+    def launch_argv(self, kind: str, nranks: int, argv: Sequence[str]) -> list[str]:
+        """One rank per host, rank r on host nr(r+1), through netrig's launcher."""
+        hosts = ",".join(self.hosts[:nranks])
+        if mpi_vendor(kind) == "openmpi":
+            return [str(self.netrig), "mpirun", "-np", str(nranks), "-H", hosts, *argv]
+        return [str(self.netrig), "mpiexec", "-n", str(nranks), "-ppn", "1", *argv]
+
+    def start(self, kind: str, nranks: int, argv: Sequence[str],
+              env: Mapping[str, str] | None = None) -> LiveJob:
+        """Start `argv` (e.g. [python, prog.py, ...]) on `nranks` hosts."""
+        if nranks > len(self.hosts):
+            raise ValueError(f"{nranks} ranks need {nranks} hosts; the rig has {self.hosts}")
+        cmd = self.launch_argv(kind, nranks, argv)
+        return LiveJob(cmd, self.environ(kind, env))
+
+    def run_on(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+               timeout: float = 300) -> LiveJob:
+        """Run a command inside one host (e.g. a launcher that ssh-es to the others)."""
+        job = LiveJob([str(self.netrig), "exec", host, *argv], dict(env or os.environ))
+        job.finish(timeout)
+        return job
+
+    def _netrig(self, *args: str) -> str:
+        proc = subprocess.run([str(self.netrig), *args], capture_output=True, text=True,
+                              timeout=120, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"netrig {' '.join(args)} failed ({proc.returncode}): "
+                               f"{proc.stderr.strip()[-400:]}")
+        return proc.stdout
+
+    def _in(self, host: str, *argv: str) -> None:
+        subprocess.run(["ip", "netns", "exec", host, *argv], check=True, timeout=30,
+                       capture_output=True)
+
+
+class LiveJob:
+    """A launcher process whose merged output is read line by line as it comes."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str]) -> None:
+        self.cmd = cmd
+        self.started = time.monotonic()
+        self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (monotonic)
+        self.returncode: int | None = None
+        self.returned_by_itself = False
+        self.ended_at: float | None = None
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=dict(env), cwd=ROOT,
+                                     start_new_session=True, errors="replace")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self.times.append(time.monotonic())
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def ok_ranks(self, label: str) -> set[int]:
+        """Ranks that printed `RANK r OK label ...` (behind any launcher's tag)."""
+        pat = re.compile(rf"^RANK (\d+) OK {re.escape(label)}(?: |$)")
+        return {int(m.group(1)) for line in self.lines if (m := pat.match(untag(line)))}
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        """When the first line matching `pattern` (re.search) arrived, and the line."""
+        with self._cond:
+            return next(((t, line) for t, line in zip(self.times, self.lines, strict=True)
+                         if re.search(pattern, line)), None)
+
+    def detail(self, rank: int, label: str) -> str | None:
+        """The text after `RANK r OK label `."""
+        prefix = f"RANK {rank} OK {label} "
+        lines = (untag(line) for line in self.lines)
+        return next((line[len(prefix):] for line in lines if line.startswith(prefix)), None)
+
+    def wait_for(self, label: str, ranks: Iterable[int], timeout: float) -> bool:
+        """Until every rank in `ranks` printed `label`, the job ended, or `timeout`."""
+        want, deadline = set(ranks), time.monotonic() + timeout
+        with self._cond:
+            while not want <= self.ok_ranks(label):
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    return want <= self.ok_ranks(label)
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    def finish(self, timeout: float) -> int:
+        """Wait up to `timeout` for the launcher; past it, kill its session.
+
+        `returned_by_itself` says which happened; the code is the launcher's,
+        or -9 when it had to be killed."""
+        try:
+            self.returncode = self.proc.wait(max(timeout, 0.0))
+            self.returned_by_itself = True
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.returncode = -9
+        self.ended_at = time.monotonic()
+        self._reader.join(10)
+        return self.returncode
+
+    def explain(self) -> str:
+        how = "returned" if self.returned_by_itself else "killed"
+        return (f"command: {' '.join(self.cmd)}\nlauncher {how}, exit {self.returncode}\n"
+                f"--- output ---\n{self.output}")
+
+
+_TAG = re.compile(r"^\[[\d,]+\](?:<std\w+>:)? ?")
+
+
+def untag(line: str) -> str:
+    """Drop a launcher's rank tag: `[1] `, `[1,0]<stdout>:` (asynclock-launch, horovodrun)."""
+    return _TAG.sub("", line, count=1)
+
+
+# -- processes ------------------------------------------------------------------------------
+def rank_pids(job: LiveJob) -> dict[int, int]:
+    """Ranks report `RANK r OK pid <pid> <host>` first thing."""
+    out = {}
+    for line in job.lines:
+        m = re.match(r"^RANK (\d+) OK pid (\d+) ", untag(line))
+        if m:
+            out[int(m.group(1))] = int(m.group(2))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_gone(pids: Iterable[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    pids = list(pids)
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait until the processes exit; those still alive at the deadline."""
+    pids = list(pids)
+    _wait_gone(pids, timeout)
+    return [p for p in pids if alive(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]

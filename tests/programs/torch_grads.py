@@ -1,0 +1,353 @@
+"""`asynclock.torch.DistributedOptimizer` on real ranks: gradients, agreement, errors.
+
+Every check compares against the single-process gradient of the whole
+global batch (each rank can compute it: the data comes from fixed seeds),
+with the tolerance stated in torch_common (float32 rounding only).
+"""
+
+from __future__ import annotations
+
+import torch
+from _common import report
+from torch_common import (
+    ATOL,
+    RTOL,
+    assert_close,
+    assert_same_on_all_ranks,
+    batch,
+    flat,
+    loss_fn,
+    mlp,
+    reference_grads,
+    shard,
+)
+
+import asynclock.torch as hvd
+from asynclock.errors import MismatchError
+from asynclock.torch import Tuning
+from asynclock.torch.buckets import Caps, build_plan
+from asynclock.torch.hooks import TOO_MANY
+
+MiB = 1 << 20
+CAPS = {
+    "one_tensor_per_bucket": Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB,
+                                    partition=False),
+    "tiny_partitions": Tuning(bucket_cap_mb=40 / MiB, first_bucket_mb=24 / MiB),
+    "everything_in_one": Tuning(bucket_cap_mb=1024, first_bucket_mb=1024),
+    "default": Tuning(),
+}
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    return hvd.allgather(t)
+
+
+def sgd(model: torch.nn.Module, **kw: object) -> object:
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), **kw)
+
+
+def local(step: int) -> object:
+    rank, size = hvd.rank(), hvd.size()
+
+    def loss(model: torch.nn.Module, r: int = rank) -> torch.Tensor:
+        x, y = batch(step, size)
+        return loss_fn(model, shard(x, r, size), shard(y, r, size))
+
+    return loss
+
+
+def check_grads(model: torch.nn.Module, opt: object, step: int, what: str) -> None:
+    """One step: reduced gradients equal the global-batch gradients, then apply."""
+    loss = local(step)
+    want = reference_grads(model, hvd.size(), loss)
+    opt.zero_grad()
+    loss(model).backward()
+    opt.synchronize()
+    for (name, p), w in zip(model.named_parameters(), want, strict=True):
+        assert_close(p.grad, w, f"{what} step {step} {name}")
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def check_caps() -> None:
+    n_params = len(list(mlp().parameters()))
+    for label, tuning in CAPS.items():
+        model = mlp(seed=1)
+        opt = sgd(model, tuning=tuning)
+        for step in range(3):  # round 1 on the guessed plan, then rank 0's agreed plan
+            check_grads(model, opt, step, label)
+        buckets = len(opt.reducer.plan.buckets)
+        expect = {"one_tensor_per_bucket": buckets == n_params, "everything_in_one": buckets == 1,
+                  "tiny_partitions": buckets > n_params, "default": buckets >= 1}[label]
+        assert expect, f"{label}: {buckets} buckets for {n_params} tensors"
+        assert_same_on_all_ranks(model, gather, label)
+        report(hvd.rank(), f"caps_{label}", f"{buckets} buckets")
+
+
+def check_identical_after_20_steps() -> None:
+    model, ref = mlp(seed=2), mlp(seed=2)
+    opt = sgd(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(20):
+        opt.zero_grad()
+        local(step)(model).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(local(step)(ref, r) for r in range(hvd.size())) / hvd.size()).backward()
+        ref_opt.step()
+    assert_same_on_all_ranks(model, gather, "after 20 steps")
+    assert torch.allclose(flat(model), flat(ref), rtol=1e-4, atol=1e-5), (
+        f"drifted from single-process training: {(flat(model) - flat(ref)).abs().max()}")
+    report(hvd.rank(), "identical_20_steps")
+    transport = "shm" if opt.reducer.transport is not None else "allreduce"
+    report(hvd.rank(), f"transport_{transport}")
+
+
+class Partial(torch.nn.Module):
+    """Frozen layer, a branch only rank 0 uses, and a layer nobody uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = torch.nn.Linear(6, 8)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.rank0_only = torch.nn.Linear(8, 8)
+        self.never = torch.nn.Linear(8, 3)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.tanh(self.a(x))))
+        if branch:
+            h = h + torch.tanh(self.rank0_only(h))
+        return self.head(h)
+
+
+def check_unused_and_frozen() -> None:
+    model = Partial()
+    frozen_before = flat(model.frozen).clone()
+    opt = sgd(model)
+    size = hvd.size()
+    for step in range(3):
+        x, y = batch(step, size)
+
+        def loss(m: torch.nn.Module, r: int = hvd.rank(), x: torch.Tensor = x,
+                 y: torch.Tensor = y) -> torch.Tensor:
+            out = m(shard(x, r, size), r == 0)
+            return torch.nn.functional.cross_entropy(out, shard(y, r, size))
+
+        want = reference_grads(model, size, loss)
+        opt.zero_grad()
+        loss(model).backward()
+        opt.synchronize()
+        for (name, p), w in zip(model.named_parameters(), want, strict=True):
+            if name.startswith("never"):  # unused everywhere: zeros, as in Horovod
+                assert p.grad is not None and not p.grad.any(), f"{name}: {p.grad}"
+            else:
+                assert_close(p.grad, w, f"unused/frozen step {step} {name}")
+        with opt.skip_synchronize():
+            opt.step()
+    assert torch.equal(flat(model.frozen), frozen_before), "a frozen parameter moved"
+    assert model.frozen.weight.grad is None, "a frozen parameter got a gradient"
+    assert_same_on_all_ranks(model, gather, "unused/frozen")
+    report(hvd.rank(), "unused_frozen")
+
+
+def check_accumulation() -> None:
+    """3 local passes, one reduction: backward_passes_per_step and no_sync()."""
+    size, passes = hvd.size(), 3
+    for how in ("passes", "no_sync"):
+        model = mlp(seed=4)
+        opt = sgd(model, backward_passes_per_step=passes if how == "passes" else 1)
+        for step in range(2):
+            micro = [local(10 * step + m) for m in range(passes)]
+            want = reference_grads(model, size,
+                                   lambda mdl, r, fs=micro: sum(f(mdl, r) for f in fs))
+            opt.zero_grad()
+            for m, f in enumerate(micro):
+                if how == "no_sync" and m < passes - 1:
+                    with opt.no_sync():
+                        f(model).backward()
+                else:
+                    f(model).backward()
+            opt.synchronize()
+            for (name, p), w in zip(model.named_parameters(), want, strict=True):
+                assert_close(p.grad, w, f"accumulate {how} step {step} {name}", RTOL, 3 * ATOL)
+            with opt.skip_synchronize():
+                opt.step()
+        assert_same_on_all_ranks(model, gather, f"accumulate {how}")
+        report(hvd.rank(), f"accumulate_{how}")
+
+
+def check_compression() -> None:
+    """Relative to each tensor's largest gradient: fp16 2e-3, bf16 1.6e-2."""
+    for name, comp, tol in (("fp16", hvd.Compression.fp16, 2e-3),
+                            ("bf16", hvd.Compression.bf16, 1.6e-2)):
+        model = mlp(seed=6)
+        opt = sgd(model, compression=comp)
+        for step in range(3):
+            want = reference_grads(model, hvd.size(), local(step))
+            opt.zero_grad()
+            local(step)(model).backward()
+            opt.synchronize()
+            for (pname, p), w in zip(model.named_parameters(), want, strict=True):
+                assert p.grad is not None and w is not None and p.grad.dtype == torch.float32
+                err = (p.grad - w).abs().max().item()
+                assert err <= tol * w.abs().max().item() + 1e-6, f"{name} {pname}: error {err}"
+            with opt.skip_synchronize():
+                opt.step()
+        assert_same_on_all_ranks(model, gather, name)
+        report(hvd.rank(), f"compression_{name}")
+
+
+def check_predivide_and_sum() -> None:
+    """gradient_predivide_factor splits the averaging; op=Sum skips it."""
+    for label, kw, factor in (("predivide", {"gradient_predivide_factor": 2.0}, 1.0),
+                              ("sum", {"op": hvd.Sum}, float(hvd.size()))):
+        model = mlp(seed=12)
+        opt = sgd(model, **kw)
+        for step in range(2):
+            want = reference_grads(model, hvd.size(), local(step))
+            opt.zero_grad()
+            local(step)(model).backward()
+            opt.synchronize()
+            for (name, p), w in zip(model.named_parameters(), want, strict=True):
+                assert w is not None
+                assert_close(p.grad, w * factor, f"{label} step {step} {name}")
+            with opt.skip_synchronize():
+                opt.step()
+        report(hvd.rank(), label)
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(6, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hvd.rank() % 2:  # a different call order, hence a different hook order
+            hb, ha = torch.tanh(self.b(x)), torch.tanh(self.a(x))
+        else:
+            ha, hb = torch.tanh(self.a(x)), torch.tanh(self.b(x))
+        return self.head(ha * hb)
+
+
+def check_hook_order_differs() -> None:
+    model = TwoBranch()
+    seen: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=name: seen.append(n))
+    opt = sgd(model, tuning=Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB,
+                                   partition=False))
+    for step in range(4):
+        check_grads(model, opt, step, "hook order")
+    orders = hvd.allgather_object(seen[:6])
+    assert orders[0] != orders[1], f"hook orders did not differ: {orders}"
+    assert_same_on_all_ranks(model, gather, "hook order")
+    report(hvd.rank(), "hook_order_differs")
+
+
+def check_gated_bit_identical() -> None:
+    """Plain, per-bucket and layer-gated updates give the same bits (Adam)."""
+    tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
+    models = [mlp(seed=8, hidden=12) for _ in range(3)]
+    opts = [hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                     named_parameters=m.named_parameters(), tuning=tuning, **kw)
+            for m, kw in zip(models, [{}, {"per_bucket_step": True},
+                                      {"gate_forward": models[2]}], strict=True)]
+    deferred = 0
+    for step in range(6):
+        for m, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            local(step)(m).backward()
+            opt.step()
+        deferred += opts[2].reducer.updates.pending is not None
+    opts[2].apply_pending()
+    assert deferred == 5, f"gated optimizer deferred {deferred} of 5 rounds"
+    for label, m in (("per_bucket", models[1]), ("gated", models[2])):
+        assert torch.equal(flat(models[0]), flat(m)), f"{label} differs from plain"
+    opts[2].set_forward_gate(False)
+    opts[2].zero_grad()
+    local(9)(models[2]).backward()
+    opts[2].step()
+    assert opts[2].reducer.updates.pending is None, "gate switched off but update deferred"
+    assert_same_on_all_ranks(models[2], gather, "gated")
+    report(hvd.rank(), "gated_bit_identical", f"launch order {opts[2].reducer.plan.launch}")
+
+
+def check_too_many_passes() -> None:
+    model = mlp(seed=9)
+    opt = sgd(model)
+    local(0)(model).backward()
+    try:
+        local(1)(model).backward()
+    except AssertionError as exc:
+        assert str(exc) == TOO_MANY, str(exc)
+    else:
+        raise AssertionError("a second backward before step() was accepted")
+    opt.synchronize()  # the first pass's round still completes on every rank
+    check_grads(model, opt, 2, "after too-many")
+    report(hvd.rank(), "too_many_passes")
+
+
+def check_mismatches() -> None:
+    """Different models, different options, different buckets: same error everywhere."""
+    for label, model, kw in (
+        ("params", mlp(seed=10, hidden=8 + (hvd.rank() == 1)), {}),
+        ("options", mlp(seed=10), {"backward_passes_per_step": 1 + (hvd.rank() == 1)}),
+    ):
+        try:
+            sgd(model, **kw)
+        except MismatchError as exc:
+            texts = hvd.allgather_object(str(exc))
+            assert all(t == texts[0] for t in texts), texts
+            report(hvd.rank(), f"mismatch_{label}")
+        else:
+            raise AssertionError(f"{label} mismatch not detected")
+    check_bucket_mismatch()
+
+
+def check_bucket_mismatch() -> None:
+    """Bypass the agreement on purpose: each bucket op is header-checked."""
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
+                                torch.nn.Linear(4, 4, bias=False))
+    opt = sgd(model, tuning=Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB, partition=False,
+                                   replan=False))
+    if hvd.rank() == 1:  # 2 buckets of 12 and 20 elements instead of 16 and 16
+        reducer = opt.reducer
+        reducer._adopt(build_plan([1, 0], reducer.specs, Caps(80, 48)))
+    model(torch.ones(2, 4)).sum().backward()
+    for _attempt in range(2):  # the second step() re-raises: the channel is unusable
+        try:
+            opt.step()
+        except MismatchError as exc:
+            texts = hvd.allgather_object(str(exc))
+            assert all(t == texts[0] for t in texts) and "grad." in texts[0], texts
+        else:
+            raise AssertionError("mismatched buckets were reduced")
+    report(hvd.rank(), "mismatch_buckets")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    hvd.init()
+    check_caps()
+    check_identical_after_20_steps()
+    check_unused_and_frozen()
+    check_accumulation()
+    check_compression()
+    check_predivide_and_sum()
+    check_gated_bit_identical()
+    check_too_many_passes()
+    if hvd.size() > 1:
+        check_hook_order_differs()
+        check_mismatches()
+    report(hvd.rank(), "done")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

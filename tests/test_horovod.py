@@ -1,0 +1,213 @@
+"""The Horovod backend: real jobs under plain mpirun (ASYNCLOCK_BACKEND=horovod),
+`horovodrun --gloo`, and in-process checks of its pure parts (row splits,
+the TCP mailbox used when there is no MPI world).
+
+The collective matrix on this backend lives in test_collectives_mpi.py.
+Jobs skip with the reason when Horovod cannot be imported here.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpijob import (
+    Job,
+    assert_all_ok,
+    horovod_status,
+    horovodrun_missing,
+    run_horovodrun,
+    run_job,
+)
+
+from asynclock.backends.horovod import _row_width, _split
+from asynclock.backends.mailbox import AGREE, Mailbox
+from asynclock.errors import BackendError
+
+BACKEND_LABELS = ["widened", "mismatch_poll", "mismatch_wait", "alive", "small_never_horovod",
+                  "horovod_down"]
+HVD_ENV = {"ASYNCLOCK_BACKEND": "horovod"}
+
+
+def need_horovod(gloo: bool | None = None) -> str:
+    """Skip (with the reason) unless Horovod jobs can run; return its MPI kind."""
+    kind, why = horovod_status()
+    why = why or (horovodrun_missing(gloo) if gloo is not None else "")
+    if why:
+        pytest.skip(why)
+    return kind
+
+
+def labels_ok(job: Job, nranks: int, labels: list[str]) -> None:
+    assert_all_ok(job, nranks)
+    for label in labels:
+        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
+# -- pure parts ----------------------------------------------------------------------------
+def test_reduce_scatter_uses_horovods_split_only_when_it_matches() -> None:
+    assert _split(5, 2) == [3, 2] and _split(1, 3) == [1, 0, 0]
+    assert _row_width([12, 8], 2) == 4  # rows [3, 2] of width 4: Horovod's own split
+    assert _row_width([8, 8, 8], 3) == 8
+    assert _row_width([40, 0], 2) == 40  # one row over two ranks
+    assert _row_width([4, 8], 2) is None  # the larger share last: not Horovod's split
+    assert _row_width([0, 0], 2) is None
+
+
+def _mesh(size: int) -> list[Mailbox]:
+    """`size` mailboxes in threads of this process; the exchange is a shared list."""
+    addrs: list[tuple[str, int] | None] = [None] * size
+    gate = threading.Barrier(size)
+    boxes: list[Mailbox | None] = [None] * size
+
+    def exchange(rank: int, addr: tuple[str, int]) -> list[tuple[str, int]]:
+        addrs[rank] = addr
+        gate.wait(timeout=30)
+        return [a for a in addrs if a is not None]
+
+    def make(rank: int) -> None:
+        boxes[rank] = Mailbox(rank, size, "127.0.0.1", lambda a: exchange(rank, a))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(b is not None for b in boxes), "mesh set-up failed"
+    return [b for b in boxes if b is not None]
+
+
+def _recv(port: object, buf: np.ndarray, what: str) -> tuple[int, int]:
+    for _ in range(20_000):
+        hit = port.try_recv(buf)  # type: ignore[attr-defined]
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        threading.Event().wait(0.0005)
+    raise AssertionError(f"no message: {what}")
+
+
+def test_mailbox_routes_by_channel_and_source() -> None:
+    boxes = _mesh(3)
+    try:
+        ports = [[b.port(ch) for ch in range(2)] for b in boxes]
+        big = np.arange(300_000, dtype=np.int64)  # larger than a socket buffer: partial sends
+        req = ports[2][1].isend(big, 0)
+        assert ports[1][0].isend(np.array([7, 8], np.int64), 0).Test() in (True, False)
+        assert ports[0][0].isend(np.array([5], np.int64), 0).Test()  # to itself: done at once
+        buf = np.zeros(300_000, np.int64)
+        got = sorted([_recv(ports[0][0], buf, "ch0")[0], _recv(ports[0][0], buf, "ch0")[0]])
+        assert got == [0, 1]
+        for _ in range(20_000):  # the receiver drains, so the sender can write the rest
+            if req.Test():
+                break
+            boxes[0].pump()
+        assert req.Test(), "big frame never fully written"
+        assert _recv(ports[0][1], buf, "big") == (2, big.nbytes) and np.array_equal(buf, big)
+        assert ports[0][0].try_recv(buf) is None
+    finally:
+        for b in boxes:
+            b.close()
+
+
+def test_mailbox_allgather_rounds_match_by_order_not_by_polling_order() -> None:
+    """Round k takes each peer's k-th message on the stream, even when round 1 is
+    tested before round 0; streams (headers, agreement) do not mix."""
+    boxes = _mesh(3)
+    try:
+        ports = [b.port(0) for b in boxes]
+        outs = [[np.zeros(3 * 2, np.int64) for _ in range(2)] for _ in boxes]
+        reqs = [[ports[r].iallgather(np.array([r, k], np.int64), outs[r][k]) for k in range(2)]
+                for r in range(3)]
+        maxed = [np.zeros(2, np.int64) for _ in boxes]
+        rows = [np.zeros((3, 2), np.int64) for _ in boxes]
+        agree = [ports[r].iallgather(np.array([r, -r], np.int64), rows[r], AGREE,
+                                     lambda r=r: np.max(rows[r], axis=0, out=maxed[r]))
+                 for r in range(3)]
+        pending = [req for r in range(3) for req in (reqs[r][1], reqs[r][0], agree[r])]
+        for _ in range(20_000):
+            pending = [req for req in pending if not req.Test()]
+            if not pending:
+                break
+        assert not pending, "allgather rounds never completed"
+        for r in range(3):
+            for k in range(2):
+                assert outs[r][k].tolist() == [0, k, 1, k, 2, k], (r, k, outs[r][k])
+            assert maxed[r].tolist() == [2, 0], maxed[r]
+    finally:
+        for b in boxes:
+            b.close()
+
+
+def test_mailbox_reports_a_closed_peer() -> None:
+    boxes = _mesh(2)
+    try:
+        pending = boxes[0].port(1).iallgather(np.ones(1, np.int64), np.zeros(2, np.int64))
+        boxes[1].close()
+        for _ in range(20_000):
+            boxes[0].pump()
+            if 1 in boxes[0].dead:
+                break
+            threading.Event().wait(0.0005)
+        with pytest.raises(BackendError, match="rank 1 closed its connection"):
+            boxes[0].port(0).isend(np.ones(2, np.int64), 1)
+        with pytest.raises(BackendError, match=r"rank\(s\) \[1\] closed their connection"):
+            pending.Test()
+    finally:
+        boxes[0].close()
+
+
+def test_message_larger_than_the_buffer_is_an_error() -> None:
+    boxes = _mesh(2)
+    try:
+        boxes[1].port(0).isend(np.ones(4, np.int64), 0)
+        with pytest.raises(BackendError, match="32-byte message from rank 1"):
+            _recv(boxes[0].port(0), np.zeros(2, np.int64), "too big")
+    finally:
+        for b in boxes:
+            b.close()
+
+
+# -- real jobs --------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (3, "trio")])
+def test_backend_under_mpirun(nranks: int, loop: str, tmp_path: Path) -> None:
+    """Widened dtypes, Horovod errors on every rank, small ops never reach Horovod
+    (checked in Horovod's own timeline, so HOROVOD_TIMELINE passes through)."""
+    kind = need_horovod()
+    timeline = tmp_path / "horovod-timeline.json"
+    args = ["--trio"] if loop == "trio" else []
+    job = run_job("hvd_backend.py", nranks, *args, timeout=150, kind=kind,
+                  env={**HVD_ENV, "HOROVOD_TIMELINE": str(timeline)})
+    labels_ok(job, nranks, BACKEND_LABELS)
+    assert "(mpi controller; headers over Open MPI" in job.output or kind != "system", job.output
+    names = set(re.findall(r'"name": "allreduce\.(asynclock\d+\.\w+\.d\d+)"',
+                           timeline.read_text()))
+    assert {n for n in names if ".sync." in n} == {"asynclock0.sync.d1"}, names
+    assert {"asynclock0.grad.d1", "asynclock0.grad.d2"} <= names, names
+    assert '"name": "ERROR"' in timeline.read_text()
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_backend_under_horovodrun_gloo() -> None:
+    """No MPI world: headers, agreement and p2p over the TCP mesh; `auto` picks Horovod."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("hvd_backend.py", 2, gloo=True, timeout=150)
+    labels_ok(job, 2, BACKEND_LABELS)
+    assert "(gloo controller; headers over a TCP mesh" in job.output, job.explain()
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_sync_primitives_under_horovodrun_gloo(tmp_path: Path) -> None:
+    """Condition, Event, sequential sections and consistency points (and their
+    mismatch error) over the TCP mesh."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("sync_primitives.py", 2, str(tmp_path), gloo=True, timeout=150)
+    labels_ok(job, 2, ["condition_notify", "condition_wait_for", "condition_cancel", "event",
+                       "event_timeout_cancel", "sequential", "sequential_cancel",
+                       "consistency_point", "consistency_mismatch"])

@@ -1,0 +1,151 @@
+"""In-process tests of the pure parts: bucket plans, priority order, options, storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asynclock.ops import ReduceOp
+from asynclock.torch.buckets import Caps, ParamSpec, bucket_ready_times, build_plan
+from asynclock.torch.priority import busy_seconds, link_speed, priority_launch
+from asynclock.torch.reducer import ReduceOptions
+from asynclock.torch.registry import ParamRegistry
+from asynclock.torch.storage import GradStorage
+
+F32 = 4
+
+
+def specs(*numels: int, group: str = "float32") -> list[ParamSpec]:
+    return [ParamSpec(n, group, F32) for n in numels]
+
+
+def covered(plan, n_params: int) -> dict[int, list[tuple[int, int]]]:  # type: ignore[no-untyped-def]
+    out: dict[int, list[tuple[int, int]]] = {i: [] for i in range(n_params)}
+    for b in plan.buckets:
+        assert b.numel == sum(s.numel for s in b.segments)
+        for s in b.segments:
+            out[s.param].append((s.start, s.stop))
+    return out
+
+
+def test_every_element_in_exactly_one_bucket_contiguously() -> None:
+    sp = specs(10, 300, 7, 64, 1)
+    plan = build_plan([4, 3, 2, 1, 0], sp, Caps(bucket_bytes=200, first_bucket_bytes=40))
+    for i, ranges in covered(plan, len(sp)).items():
+        assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == sp[i].numel
+        assert all(a[1] == b[0] for a, b in zip(sorted(ranges), sorted(ranges)[1:], strict=False))
+    offsets = [(b.offset, b.numel) for b in plan.buckets]
+    assert all(o + n == o2 for (o, n), (o2, _) in zip(offsets, offsets[1:], strict=False))
+    for b in plan.buckets:
+        for s in b.segments:  # each parameter's range is contiguous in the buffer
+            assert s.offset == plan.param_offset[s.param] + s.start
+
+
+def test_caps_first_bucket_and_partitions() -> None:
+    plan = build_plan([0, 1], specs(100, 100), Caps(bucket_bytes=160, first_bucket_bytes=40))
+    sizes = [b.nbytes for b in plan.buckets]
+    assert sizes[0] == 40 and max(sizes) <= 160 and sum(sizes) == 800
+    assert plan.param_buckets[0] == (0, 1, 2, 3) and plan.buckets[3].params == (0, 1)
+
+
+def test_no_partition_keeps_tensors_whole() -> None:
+    plan = build_plan([2, 1, 0], specs(5, 500, 5), Caps(1, 1, partition=False))
+    assert [b.params for b in plan.buckets] == [(2,), (1,), (0,)]
+    one = build_plan([2, 1, 0], specs(5, 500, 5), Caps(1 << 30, 1 << 30))
+    assert len(one.buckets) == 1 and one.buckets[0].numel == 510
+
+
+def test_cap_below_itemsize_still_terminates() -> None:
+    plan = build_plan([0], specs(3), Caps(1, 1))
+    assert [b.numel for b in plan.buckets] == [1, 1, 1]
+
+
+def test_fixed_groups_and_dtype_groups() -> None:
+    sp = specs(4, 4, 4) + [ParamSpec(4, "float16", 2)]
+    plan = build_plan([3, 2, 1, 0], sp, Caps(1 << 20, 1 << 20), groups=[(0, 2)])
+    by_group = {b.group: b for b in plan.buckets if b.group == "float16"}
+    assert by_group["float16"].params == (3,)
+    assert any(b.params == (2, 0) or b.params == (0, 2) for b in plan.buckets)
+    assert plan.group_numel == {"float32": 12, "float16": 4}
+
+
+def test_launch_order_must_be_a_permutation() -> None:
+    with pytest.raises(ValueError, match="permutation"):
+        build_plan([0, 1], specs(4, 4), Caps(1, 1, partition=False), launch=[0, 0])
+    with pytest.raises(ValueError, match="permutation"):
+        build_plan([0, 0], specs(4, 4), Caps())
+
+
+def test_priority_keeps_ready_order_when_link_is_idle() -> None:
+    ready, nbytes = [0.0, 1.0, 2.0, 3.0], [100] * 4
+    assert priority_launch(ready, nbytes, seconds_per_byte=1e-6) == (0, 1, 2, 3)
+
+
+def test_priority_lets_front_buckets_jump_a_busy_link() -> None:
+    # buckets 0-2 (parts of a big last layer) are ready at once and take 1 s
+    # each; buckets 3 and 4 (nearer the input) arrive while the link is busy
+    # and each goes next, ahead of the remaining parts.
+    ready = [0.0, 0.0, 0.0, 0.5, 1.5]
+    order = priority_launch(ready, [100] * 5, seconds_per_byte=0.01, latency_s=0.0)
+    assert order == (2, 3, 4, 1, 0)
+    assert sorted(order) == [0, 1, 2, 3, 4]
+
+
+def test_link_speed_counts_overlap_once() -> None:
+    assert busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    assert link_speed([(0, 2), (1, 3)], 300, optimism=1.0) == pytest.approx(0.01)
+    assert link_speed([], 10) == 0.0
+
+
+def test_bucket_ready_time_is_last_parameter() -> None:
+    plan = build_plan([1, 0], specs(4, 4), Caps(1 << 20, 1 << 20))
+    assert bucket_ready_times(plan, [0.3, 0.1]) == [0.3]
+
+
+def test_options_scales_and_validation() -> None:
+    assert ReduceOptions().scales(4) == (0.25, 1.0)
+    assert ReduceOptions(predivide=2.0).scales(4) == (0.5, 0.5)
+    assert ReduceOptions(op=ReduceOp.SUM).scales(4) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="predivide"):
+        ReduceOptions(op=ReduceOp.SUM, predivide=2.0)
+    with pytest.raises(NotImplementedError):
+        ReduceOptions(op=ReduceOp.MAX)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        ReduceOptions(passes=0)
+    assert ReduceOptions(stall_s=1).fingerprint() == ReduceOptions(stall_s=9).fingerprint()
+
+
+def test_registry_validates_named_parameters_like_horovod() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reg = ParamRegistry(opt.param_groups, model.named_parameters())
+    assert reg.names == ["0.weight", "0.bias", "1.weight"] and len(reg.frozen) == 1
+    with pytest.raises(ValueError, match="duplicates"):
+        ParamRegistry(opt.param_groups, [("a", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="not named"):
+        ParamRegistry(opt.param_groups, list(model.named_parameters())[:1])
+    with pytest.raises(ValueError, match="tuples"):
+        ParamRegistry(opt.param_groups, [p for p in model.parameters()])
+
+
+def test_storage_direct_views_and_staged_casts() -> None:
+    """Direct: `.grad` becomes a view of the bucket; staged: cast in and out."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reg = ParamRegistry(opt.param_groups)
+    model(torch.ones(4, 3)).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    direct = GradStorage(build_plan([1, 0], reg.specs(None), Caps()), reg)
+    for i in (0, 1):
+        direct.pack(i, 0.5)
+    assert model.weight.grad.data_ptr() == direct.view(0).data_ptr()
+    direct.unpack(0, 2.0)  # what an allreduce of one rank leaves, then postscale
+    assert torch.equal(model.weight.grad, want[0]) and torch.equal(model.bias.grad, want[1])
+    staged = GradStorage(build_plan([1, 0], reg.specs(torch.bfloat16), Caps()), reg)
+    for i in (0, 1):
+        staged.pack(i, 1.0)
+    assert staged.comm[0].dtype == torch.bfloat16
+    model.weight.grad.zero_()
+    staged.unpack(0, 1.0)
+    assert torch.allclose(model.weight.grad, want[0], rtol=1e-2)
