@@ -97,7 +97,7 @@ class Permits:
         messages; see `_take_local` for how that stays fair.
         """
         if self._take_local():
-            await self._svc.maybe_yield()
+            await self._yield_holding()
             return
         t = self._request(nowait=False)
         if t.reply is None:
@@ -112,7 +112,7 @@ class Permits:
         costs one round trip (no queueing), which is why it is async.
         """
         if self._take_local():
-            await self._svc.maybe_yield()
+            await self._yield_holding()
             return
         t = self._request(nowait=True)
         if t.reply is None:
@@ -120,6 +120,16 @@ class Permits:
         if t.reply is M.DENY:
             raise anyio.WouldBlock(f"{self.kind} {self.name!r} is not free")
         self._take(t)
+
+    async def _yield_holding(self) -> None:
+        """The fairness checkpoint after a local take. Cancelled here, the task
+        never entered the lock: hand the permit on before re-raising
+        (regression: test_cancel_at_fast_path_checkpoint_releases_permit)."""
+        try:
+            await self._svc.maybe_yield()
+        except BaseException:
+            self.release()
+            raise
 
     def _take_local(self) -> bool:
         """Take a permit without messages, if that is fair.
