@@ -28,6 +28,9 @@ done
 if [ ${#missing[@]} -gt 0 ]; then log "installing ${missing[*]}"; pipi "${missing[@]}"; fi
 
 if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then bash mpi/install_system_mpi.sh; fi
-"$VPY" -c "import asynclock" 2>/dev/null || pipi --no-deps --no-build-isolation -e .
+# Installed (editable) from *this* checkout? Checked from / so the cwd does not count.
+here=$(pwd -P)
+(cd / && "$VPY" -c "import asynclock, os, sys; sys.exit(not os.path.realpath(asynclock.__file__).startswith('$here/'))") 2>/dev/null \
+  || { log "installing asynclock (editable)"; pipi --no-deps --no-build-isolation -e .; }
 if [ "${ASYNCLOCK_SETUP_HOROVOD:-0}" = 1 ]; then "$VPY" mpi/build_horovod.py; fi
 log "ready: $("$VPY" mpi/select.py describe 2>/dev/null | head -1 || echo 'MPI kit not found')"
