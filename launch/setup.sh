@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 log() { printf '[setup] %s\n' "$*"; }
 
 [ -x .venv/bin/python ] || { log "creating .venv"; "$PY" -m venv .venv; }
-VPY=.venv/bin/python
+VPY="$PWD/.venv/bin/python"
 pipi() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
 
 # torch: the pinned CPU build; a looser pin would pull a multi-GB CUDA build.
