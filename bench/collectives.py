@@ -158,6 +158,8 @@ def _init_horovod() -> Any:
     """Horovod sharing our MPI world, when it is installed for this MPI."""
     if os.environ.get("ASYNCLOCK_BENCH_HOROVOD", "1") == "0":
         return None
+    if "Open MPI" not in MPI.Get_library_version():
+        return None  # the installed Horovod links Open MPI: loading it here would mix MPIs
     try:
         import horovod.torch as hvd
 
