@@ -19,7 +19,8 @@ method step time. Methods:
 * asynclock-bucket: the same, optimizer applied per bucket as buckets arrive;
 * asynclock-gated: the same, next forward gated per layer (agreed priority order);
 * asynclock-gated-mpi: gated, buckets as MPI allreduces instead of the shared window;
-* asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread.
+* asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread;
+* asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", help="write the figures here (rank 0)")
     p.add_argument("--models", default="mlp,cnn")
     p.add_argument("--methods", default="compute,naive,horovod,ddp,asynclock,"
-                   "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-async")
+                   "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-async,"
+                   "asynclock-async-hvd")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4, help="steps per method before timing")
     p.add_argument("--windows", type=int, default=7)
@@ -185,27 +187,29 @@ def asynclock_opt(t: Trainer, args: argparse.Namespace, shm: bool = True, **kw: 
     return t.plain_step
 
 
-_ASYNC: Any = None
+_ASYNC: dict[str, Any] = {}
 
 
-def asynclock_async(t: Trainer, args: argparse.Namespace) -> Step:
+def asynclock_async(t: Trainer, args: argparse.Namespace, backend: str = "mpi") -> Step:
     """The async API (`coord.train_step`, gated forward) on its own coordinator and
     loop thread; each step is one `async with step:` block driven through a portal."""
-    global _ASYNC
     from anyio.from_thread import start_blocking_portal
 
     import asynclock
     from asynclock.runtime import make_backend
     from asynclock.torch import training_policy
 
-    if _ASYNC is None:  # Coordinator(): a collective, every rank at the same point
-        coord = asynclock.Coordinator(make_backend("mpi"), training_policy())
+    global _HVD
+    if backend == "horovod" and _HVD is None:
+        _HVD = _load_horovod()  # or say why it cannot load
+    if backend not in _ASYNC:  # Coordinator(): a collective, every rank at the same point
+        coord = asynclock.Coordinator(make_backend(backend, WORLD), training_policy())
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         running = portal.wrap_async_context_manager(coord.running())
         running.__enter__()
-        _ASYNC = (coord, portal, portal_cm, running)
-    coord, portal = _ASYNC[0], _ASYNC[1]
+        _ASYNC[backend] = (coord, portal, portal_cm, running)
+    coord, portal = _ASYNC[backend][0], _ASYNC[backend][1]
 
     async def make() -> Any:
         return coord.train_step(t.opt, model=t.model, gate_forward=True, tuning=tuning(args))
@@ -227,6 +231,7 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
     "asynclock-gated": lambda t, a: asynclock_opt(t, a, gate_forward=t.model),
     "asynclock-gated-mpi": lambda t, a: asynclock_opt(t, a, False, gate_forward=t.model),
     "asynclock-async": asynclock_async,
+    "asynclock-async-hvd": lambda t, a: asynclock_async(t, a, "horovod"),
 }
 
 
@@ -325,11 +330,11 @@ def table(model: str, out: dict[str, Any]) -> None:
 
 
 def finish() -> None:
-    if _ASYNC is not None:
+    if _ASYNC:
         from asynclock.torch import quiesce_all
 
-        coord, portal, portal_cm, running = _ASYNC
         quiesce_all()
+    for coord, _portal, portal_cm, running in _ASYNC.values():
         running.__exit__(None, None, None)
         portal_cm.__exit__(None, None, None)
         coord.shutdown()

@@ -35,10 +35,30 @@ KINDS = [DEFAULT_KIND, *OTHER_KINDS]
 FAST = {"ASYNCLOCK_HEARTBEAT_S": "0.25", "ASYNCLOCK_DEAD_AFTER_S": "5",
         "ASYNCLOCK_FAILURE_GRACE_S": "1"}
 DEADLINE_S = 30.0  # from the cut: every rank gone, the launcher returned
-LAUNCHER_GRACE_S = 10.0  # a launcher still running this long after its last rank is stuck
+LAUNCHER_GRACE_S = 10.0  # hydra still running this long after its last rank: stuck
 BRIEF_CUT_S = 1.5  # well under ASYNCLOCK_DEAD_AFTER_S: must not kill the job
 START_S = 120.0  # launch + imports + first phases on a loaded 2-core machine
-TCP_RETRIES2 = 5  # a launcher daemon cut off from its launcher gives up in ~10 s
+TCP_RETRIES2 = 5  # net.ipv4.tcp_retries2 in the hosts: a dead TCP peer is given up in ~15 s
+
+
+# -- without a rig ------------------------------------------------------------------------------
+def test_skip_reasons_name_what_is_missing(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """Where no rig can be made the suite skips, saying why (checked in this order)."""
+    monkeypatch.setattr(netrig_rig.os, "geteuid", lambda: 1000)
+    assert "needs root" in (netrig_rig.unavailable() or "")
+    monkeypatch.setattr(netrig_rig.os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "needs ip, unshare, tc" in (netrig_rig.unavailable() or "")
+    monkeypatch.setattr(netrig_rig.shutil, "which", lambda name, **kw: f"/bin/{name}")
+    monkeypatch.setenv("ASYNCLOCK_NETRIG", str(tmp_path / "absent"))
+    assert "netrig script not found" in (netrig_rig.unavailable() or "")
+
+
+def test_untag_reads_rank_lines_behind_any_launcher_tag() -> None:
+    for line in ("RANK 1 OK hello x", "[1] RANK 1 OK hello x", "[1,1]<stdout>:RANK 1 OK hello x",
+                 "[1]<stdout>:RANK 1 OK hello x"):
+        assert netrig_rig.untag(line) == "RANK 1 OK hello x", line
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +74,10 @@ def rig() -> Iterator[netrig_rig.Rig]:
 def fresh(rig: netrig_rig.Rig, n: int, kind: str = "") -> None:
     """A new rig of n hosts (`up` removes the previous one).
 
-    Under Open MPI the hosts' TCP gives up on a dead peer sooner, so the orted
-    of a cut host exits; under MPICH that would make UCX fail the connections
-    in the watchdog's deadline window, and MPICH then crashes in the next send
-    (a segfault on the surviving ranks): its proxies exit by themselves anyway."""
+    Open MPI's mpirun, tearing the job down, writes to the orted of the cut host
+    and waits until TCP gives up on it, as does that orted: TCP_RETRIES2 makes
+    that ~15 s instead of ~15 min. MPICH's proxies exit by themselves (its
+    mpiexec never returns, see assert_launcher), so MPICH keeps the default."""
     rig.reap()
     openmpi = bool(kind) and netrig_rig.mpi_vendor(kind) == "openmpi"
     rig.up(n, tcp_retries2=TCP_RETRIES2 if openmpi else None)
@@ -90,14 +110,19 @@ def brief_cut(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, workdir: 
     expect(job, "healed", range(n), timeout=60)
 
 
-def cut_for_good(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, n: int) -> float:
+def cut_for_good(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, n: int,
+                 kind: str) -> float:
+    """Cut `host` for good; wait for every rank to exit, then for the launcher (hydra's
+    is known to wait for ever: it gets LAUNCHER_GRACE_S after the last rank)."""
     expect(job, "armed", range(n))
     pids = netrig_rig.rank_pids(job)
     assert sorted(pids) == list(range(n)), job.explain()
     rig.cut(host)
     t_cut = time.monotonic()
     left = netrig_rig.wait_gone(pids.values(), DEADLINE_S)
-    give_up = min(t_cut + DEADLINE_S, time.monotonic() + LAUNCHER_GRACE_S)
+    give_up = t_cut + DEADLINE_S
+    if netrig_rig.mpi_vendor(kind) == "hydra":
+        give_up = min(give_up, time.monotonic() + LAUNCHER_GRACE_S)
     job.finish(give_up - time.monotonic())
     assert not left, f"rank processes {left} outlived the cut by {DEADLINE_S} s\n" + job.explain()
     return t_cut
@@ -133,6 +158,7 @@ def assert_launcher(job: netrig_rig.LiveJob, rig: netrig_rig.Rig, t_cut: float, 
     """The launcher returned non-zero by itself within the deadline; nothing left."""
     left = rig.leftovers()
     if not job.returned_by_itself and netrig_rig.mpi_vendor(kind) == "hydra":
+        assert not left, f"left running in the hosts: {left}\n" + job.explain()
         pytest.xfail("MPICH's mpiexec waits for ever for the proxy on the cut host (its "
                      "control connection has no keepalive), although every rank exited; "
                      "bound it with asynclock-launch --timeout")
@@ -149,11 +175,13 @@ def test_two_hosts_lock_train_brief_cut_then_cut(rig: netrig_rig.Rig, kind: str,
     fresh(rig, 2, kind)
     job = start(rig, kind, 2, tmp_path, "--heal", "--cut")
     try:
-        for label in ("collective", "lock", "train"):
-            expect(job, label, range(2))
+        expect(job, "collective", range(2))
         placement(job, 2)
+        assert rig.rx_bytes("nr2") >= 2 << 20, "the 4 MiB allreduce did not cross the link"
+        for label in ("lock", "train"):
+            expect(job, label, range(2))
         brief_cut(rig, job, "nr2", tmp_path, 2)
-        t_cut = cut_for_good(rig, job, "nr2", 2)
+        t_cut = cut_for_good(rig, job, "nr2", 2, kind)
     finally:
         stop(job)
     summary(job, t_cut)
@@ -169,10 +197,14 @@ def test_three_hosts_one_cut(rig: netrig_rig.Rig, kind: str, tmp_path: Path) -> 
     try:
         expect(job, "lock", range(3))
         placement(job, 3)
-        t_cut = cut_for_good(rig, job, "nr3", 3)
+        t_cut = cut_for_good(rig, job, "nr3", 3, kind)
     finally:
         stop(job)
     summary(job, t_cut)
+    if netrig_rig.mpi_vendor(kind) == "hydra" and "Segmentation fault (signal 11)" in job.output:
+        pytest.xfail("MPICH 5.0.2 (ch4:ucx over TCP): a survivor that has not yet seen the cut "
+                     "itself segfaults in MPI_Isend (watchdog heartbeat) right after another "
+                     "survivor's `failed` notice arrives; it exits 11 without its report")
     assert_reports(job, [0, 1], victim=2)
     assert_launcher(job, rig, t_cut, kind)
 

@@ -7,9 +7,9 @@ jobs. `transport` picks how buckets travel after the first round: through
 the shared-memory window ("shm", the default when all ranks share a node)
 or as one MPI allreduce per bucket ("allreduce", ASYNCLOCK_SHM=0).
 
-`backend` is a parameter so the Horovod transport can join the matrix:
-set ASYNCLOCK_TEST_BACKENDS=mpi,horovod once `asynclock.backends.horovod`
-exists (it runs under the system Open MPI launcher).
+`backend` runs the same programs on the MPI transport and, where Horovod
+loads, on the Horovod transport (ASYNCLOCK_BACKEND=horovod, under the MPI
+Horovod was built for); ASYNCLOCK_TEST_BACKENDS=mpi narrows the matrix.
 """
 
 from __future__ import annotations
@@ -18,18 +18,29 @@ import functools
 import os
 
 import pytest
-from mpijob import Job, assert_all_ok, run_job
+from mpijob import Job, assert_all_ok, horovod_status, run_job
 
 pytestmark = pytest.mark.mpi
 
-BACKENDS = os.environ.get("ASYNCLOCK_TEST_BACKENDS", "mpi").split(",")
+BACKENDS = os.environ.get("ASYNCLOCK_TEST_BACKENDS", "mpi,horovod").split(",")
 
 
 @functools.cache
 def job(program: str, nranks: int, backend: str, transport: str, *args: str) -> Job:
     env = {"ASYNCLOCK_BACKEND": backend, "ASYNCLOCK_SHM": "1" if transport == "shm" else "0"}
-    kind = "system" if backend == "horovod" else os.environ.get("ASYNCLOCK_TEST_MPI", "auto")
+    kind = os.environ.get("ASYNCLOCK_TEST_MPI", "auto")
+    if backend == "horovod":
+        kind, why = horovod_status()
+        if why:
+            pytest.skip(why)
     return run_job(program, nranks, *args, timeout=180, env=env, kind=kind)
+
+
+def cases(names: str, rows: list[tuple[object, ...]]) -> pytest.MarkDecorator:
+    """Parametrize over (backend, ...) rows of the backends under test."""
+    params = [pytest.param(*row, marks=[pytest.mark.horovod] if row[0] == "horovod" else [])
+              for row in rows if row[0] in BACKENDS]
+    return pytest.mark.parametrize(names, params)
 
 
 def assert_labels(j: Job, nranks: int, *labels: str) -> None:
@@ -38,19 +49,17 @@ def assert_labels(j: Job, nranks: int, *labels: str) -> None:
         assert j.ok_lines(label) == set(range(nranks)), f"{label}\n{j.explain()}"
 
 
-matrix = pytest.mark.parametrize("backend", BACKENDS)
-
 
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
-GRADS = [(2, "shm"), (3, "shm"), (2, "allreduce")]
-grads_cases = pytest.mark.parametrize(("nranks", "transport"), GRADS)
+grads_cases = cases("backend, nranks, transport", [
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"),
+    ("horovod", 2, "allreduce"), ("horovod", 3, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
     assert_labels(job("torch_grads.py", nranks, backend, transport), nranks, *labels)
 
 
-@matrix
 @grads_cases
 def test_grads_equal_global_batch_for_every_bucket_cap(nranks: int, transport: str,
                                                        backend: str) -> None:
@@ -58,67 +67,66 @@ def test_grads_equal_global_batch_for_every_bucket_cap(nranks: int, transport: s
           "caps_everything_in_one", "caps_default")
 
 
-@matrix
+@grads_cases
+def test_horovod_groups(nranks: int, transport: str, backend: str) -> None:
+    grads(nranks, transport, backend, "groups_int", "groups_lists")
+
+
 @grads_cases
 def test_params_identical_after_20_steps(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "identical_20_steps", f"transport_{transport}")
 
 
-@matrix
 @grads_cases
 def test_unused_and_frozen_parameters(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "unused_frozen")
 
 
-@matrix
 @grads_cases
 def test_accumulation_over_passes_and_no_sync(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "accumulate_passes", "accumulate_no_sync")
 
 
-@matrix
 @grads_cases
 def test_fp16_bf16_compression_within_tolerance(nranks: int, transport: str,
                                                 backend: str) -> None:
     grads(nranks, transport, backend, "compression_fp16", "compression_bf16")
 
 
-@matrix
 @grads_cases
 def test_predivide_factor_and_sum_op(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "predivide", "sum")
 
 
-@matrix
 @grads_cases
 def test_gated_and_per_bucket_updates_bit_identical(nranks: int, transport: str,
                                                     backend: str) -> None:
     grads(nranks, transport, backend, "gated_bit_identical")
 
 
-@matrix
 @grads_cases
 def test_too_many_backward_passes_error(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "too_many_passes")
 
 
-@matrix
 @grads_cases
 def test_different_hook_order_per_rank_still_agrees(nranks: int, transport: str,
                                                     backend: str) -> None:
     grads(nranks, transport, backend, "hook_order_differs")
 
 
-@matrix
 @grads_cases
 def test_mismatches_raise_same_error_on_every_rank(nranks: int, transport: str,
                                                    backend: str) -> None:
-    grads(nranks, transport, backend, "mismatch_params", "mismatch_options", "mismatch_buckets")
+    shm = ["mismatch_buckets_shm"] if transport == "shm" else []
+    grads(nranks, transport, backend, "mismatch_params", "mismatch_options", "mismatch_buckets",
+          "mismatch_buckets_allreduce", *shm)
 
 
 # -- async API (torch_async.py) --------------------------------------------------------
-ASYNC = [(2, "asyncio", "shm"), (3, "trio", "allreduce")]
-async_cases = pytest.mark.parametrize(("nranks", "loop", "transport"), ASYNC)
+async_cases = cases("backend, nranks, loop, transport", [
+    ("mpi", 2, "asyncio", "shm"), ("mpi", 3, "trio", "allreduce"),
+    ("horovod", 2, "asyncio", "allreduce")])
 
 
 def async_labels(nranks: int, loop: str, transport: str, backend: str, *labels: str) -> None:
@@ -126,28 +134,24 @@ def async_labels(nranks: int, loop: str, transport: str, backend: str, *labels: 
     assert_labels(job("torch_async.py", nranks, backend, transport, *args), nranks, *labels)
 
 
-@matrix
 @async_cases
 def test_train_step_matches_single_process(nranks: int, loop: str, transport: str,
                                            backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "basic", "no_sync", f"transport_{transport}")
 
 
-@matrix
 @async_cases
 def test_loop_stays_live_during_backward(nranks: int, loop: str, transport: str,
                                          backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "loop_live_during_backward")
 
 
-@matrix
 @async_cases
 def test_train_step_modes_bit_identical(nranks: int, loop: str, transport: str,
                                         backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "modes_bit_identical")
 
 
-@matrix
 @async_cases
 def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, transport: str,
                                                       backend: str) -> None:
@@ -155,9 +159,9 @@ def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, t
 
 
 # -- an unchanged Horovod script (torch_hvd_script.py) ---------------------------------
-@matrix
-@pytest.mark.parametrize(("nranks", "flags"), [
-    (2, ()), (3, ("--fp16-allreduce", "--gradient-predivide-factor", "2.0"))])
+@cases("backend, nranks, flags", [
+    ("mpi", 2, ()), ("mpi", 3, ("--fp16-allreduce", "--gradient-predivide-factor", "2.0")),
+    ("horovod", 2, ())])
 def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], backend: str) -> None:
     j = job("torch_hvd_script.py", nranks, backend, "shm", *flags)
     assert_labels(j, nranks, "trained", "identical", "collectives", "done")

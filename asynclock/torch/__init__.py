@@ -60,7 +60,7 @@ from .params import (
     broadcast_parameters,
     broadcast_parameters_async,
 )
-from .reducer import quiesce_all
+from .reducer import quiesce_all, stop_workers
 from .step import TrainStep, TrainStepStatistics, train_step
 
 Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError for it
@@ -78,6 +78,7 @@ def shutdown() -> None:
     if runtime.is_initialized():
         quiesce_all()
     runtime.shutdown()
+    stop_workers()
 
 
 def mpi_threads_supported() -> bool:

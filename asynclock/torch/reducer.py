@@ -58,6 +58,13 @@ def quiesce_all() -> None:
         reducer.quiesce()
 
 
+def stop_workers() -> None:
+    """After shutdown: end the shared-memory worker threads."""
+    for reducer in list(_live):
+        if reducer.transport is not None:
+            reducer.transport.close()
+
+
 def gradient_lane(coord: Coordinator) -> Lane:
     """The first reducer of a coordinator uses `coord.grad_lane`; each further one
     gets a channel of its own (a collective: every rank creates reducers in the
@@ -284,10 +291,14 @@ class Reducer:
             return
         self.replan_due = False
         mine = (self._proposal(run) if self.coord.rank == 0 else None,
-                self.options.shm and eligible(self.coord))
+                self.options.shm and eligible(self.coord, self.grad_lane))
         every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
         order, launch = every[0][0]
-        self._adopt(self._plan(list(order), launch), all(ok for _, ok in every))
+        shm = all(ok for _, ok in every)
+        # rank 0 timed round 1's allreduces; shared-memory buckets keep pace with
+        # backward, so they simply go in ready order (a priority order would make
+        # early buckets wait for late ones in the one-at-a-time pipeline)
+        self._adopt(self._plan(list(order), None if shm else launch), shm)
 
     def _proposal(self, run: StepRun) -> tuple[list[int], tuple[int, ...] | None]:
         order = list(run.final_order)
@@ -304,8 +315,10 @@ class Reducer:
 
     def _adopt(self, plan: Plan, shm: bool = False) -> None:
         """Switch to `plan` (and, if every rank can, to shared-memory buckets)."""
-        world = self.coord.backend.world if shm else None  # type: ignore[attr-defined]
-        arena = SharedArena(world, self._group_bytes(plan)) if shm else None
+        # the lane's own data communicator: no other thread uses it right now, and
+        # every rank reaches this point in the same order of the lane's collectives
+        comm = getattr(self.grad_lane.transport, "data", None)
+        arena = SharedArena(comm, self._group_bytes(plan)) if shm else None
         storage = GradStorage(plan, self.registry, arena)
         storage.adopt()
         storage.writable = self._writable

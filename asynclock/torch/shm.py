@@ -9,13 +9,12 @@ chunks back from their owners. Measured on the 2-core machine this project
 runs on, a 42 MiB average takes ~7 ms of CPU this way against ~21 ms for
 MPI_Allreduce (which copies through the transport and spins while waiting).
 
-Synchronisation stays on the gradient channel and stays checked: per bucket,
-an "arrived" and a "reduced" barrier (header-checked: the name carries the
-bucket, its plan generation and its size, so ranks that disagree raise the
-same MismatchError), and one "released" barrier per round. Buckets go one at
-a time in the agreed order, so the barrier sequence is identical on every
-rank. The arithmetic runs in one worker thread per reducer, never on the
-event loop.
+Synchronisation stays on the gradient channel and stays checked: a round
+is a few agreed stages (see `ShmTransport`), each a header-checked
+collective whose name carries the plan's checksum, so ranks that disagree
+raise the same MismatchError; and one "released" barrier ends the round.
+The arithmetic runs in one worker thread per reducer, never on the event
+loop.
 """
 
 from __future__ import annotations
@@ -23,17 +22,20 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..collective_ops import BarrierOp
+from ..collective_ops import AllreduceOp, BarrierOp
 from ..header import Call
 from ..operation import Lane
-from ..ops import Kind
+from ..ops import DTYPE_CODES, Kind, ReduceOp
 from ..progress import Engine
+from ..tensors import as_buffer
 from .buckets import Bucket, Plan
 from .run import StepRun
 
@@ -41,21 +43,21 @@ ALIGN = 64
 Done = Callable[[BaseException | None], None]
 
 
-def eligible(coord: Any) -> bool:
+def eligible(coord: Any, lane: Lane) -> bool:
     """One node, MPI underneath, threads allowed to call MPI, not switched off."""
     backend = coord.backend
     return (os.environ.get("ASYNCLOCK_SHM", "1") != "0" and backend.name == "mpi"
             and coord.size > 1 and coord.local_size == coord.size
-            and getattr(backend, "thread_level", 0) >= 3 and hasattr(backend, "world"))
+            and getattr(backend, "thread_level", 0) >= 3 and hasattr(lane.transport, "data"))
 
 
 class SharedArena:
     """One shared window per plan: every rank's gradient buffers, visible to all."""
 
-    def __init__(self, world: Any, group_bytes: dict[str, int]) -> None:
+    def __init__(self, comm: Any, group_bytes: dict[str, int]) -> None:
         from mpi4py import MPI
 
-        self.node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         self.rank, self.size = self.node.Get_rank(), self.node.Get_size()
         self.offsets: dict[str, int] = {}
         total = 0
@@ -125,33 +127,61 @@ class _Worker:
             self._call_soon(partial(then, error))
 
     def stop(self) -> None:
+        """Finish queued jobs, then end the thread (no torch op runs at exit)."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
 
 
 class _Round:
-    """One round's pipeline: barrier j = "bucket j-1 reduced, bucket j packed"."""
+    """One round's pipeline state (loop side)."""
 
     def __init__(self, run: StepRun, done: Callable[[int, BaseException | None], None]) -> None:
         self.run, self.done = run, done
         self.order = run.plan.launch
-        self.launched = 0  # buckets handed over, in launch order
-        self.next_barrier = 0
-        self.reduced = 0  # buckets whose chunk this rank has reduced
-        self.busy = False  # a barrier or a job of this round is in flight
+        self.launched = 0  # buckets packed on this rank, counted in launch order
+        self.agreed = 0  # buckets every rank has packed (agreed by the last stage)
+        self.pending: range = range(0)  # positions reduced but not yet gathered
+        self.stage = 0
+        self.finishing = False
+        self.busy = False  # a stage op or a job of this round is in flight
         self.failed: BaseException | None = None
 
 
-class ShmTransport:
-    """Loop side: the barrier pipeline of each round; arithmetic in the worker.
+class _Agree(AllreduceOp):
+    """The stage op: min over ranks of "buckets packed here", with a callback."""
 
-    Barrier j (for j in 0..n) says "I reduced my chunk of bucket j-1 and packed
-    bucket j"; after it, one worker job gathers bucket j-1 (which is then
-    done) and reduces bucket j. A last barrier releases the round's buffers.
-    So a round of n buckets costs n + 2 checked barriers, issued in the same
-    order on every rank.
+    def __init__(self, lane: Lane, call: Call, value: np.ndarray[Any, Any],
+                 on_done: Callable[[int, BaseException | None], None]) -> None:
+        super().__init__(lane, call, as_buffer(value, writable=True), value, ReduceOp.MIN)
+        self.value, self.on_done = value, on_done
+
+    def complete(self, value: Any) -> None:
+        super().complete(value)
+        self.on_done(int(self.value[0]), None)
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
+        self.on_done(0, exc)
+
+
+class ShmTransport:
+    """Loop side: each round as a few agreed stages; arithmetic in the worker.
+
+    Stage j is a checked allreduce(min) of how many buckets (in launch order)
+    each rank has packed: its result says which buckets every rank has
+    packed, so however the ranks' backward passes drift, they agree on
+    which buckets the stage covers. After it one worker job gathers the
+    previous stage's buckets (they are then done) and reduces this stage's
+    chunks. During backward a stage covers a bucket or two; everything
+    ready when backward ends goes in one stage. A barrier then finishes the
+    last stage and another releases the round's buffers. The stage count and
+    names follow from agreed values only, so every rank issues the same
+    sequence; names carry a checksum of the plan, so ranks on different
+    plans raise the same MismatchError.
     """
 
-    windowed = False  # bucket j completes only after j+1 is launched: no credit window
+    windowed = False  # a stage waits for buckets, not for credits
 
     def __init__(self, engine: Engine, lane: Lane, arena: SharedArena, plan: Plan,
                  peers: dict[str, list[torch.Tensor]], post: float,
@@ -160,6 +190,8 @@ class ShmTransport:
         self.peers, self.post = peers, post
         self.worker = _Worker(call_soon)
         self._rounds: dict[int, _Round] = {}
+        self.crc = zlib.crc32(repr([(b.group, b.numel) for b in plan.buckets]
+                                   + list(plan.launch)).encode())
 
     def launch(self, run: StepRun, k: int, done: Callable[[int, BaseException | None], None]
                ) -> None:
@@ -171,44 +203,47 @@ class ShmTransport:
         self._advance(rnd)
 
     def _advance(self, rnd: _Round) -> None:
-        n = rnd.run.size
-        j = rnd.next_barrier
-        if rnd.busy or rnd.failed or j > n or rnd.reduced < j or (j < n and rnd.launched <= j):
+        if rnd.busy or rnd.failed:
             return
-        rnd.busy, rnd.next_barrier = True, j + 1
-        tag = f"g{rnd.run.generation}.{j}/{n}"
-        if j < n:
-            b = self.plan.buckets[rnd.order[j]]
-            tag += f".b{b.index}.{b.numel}{b.group}"
-        self._barrier(tag, partial(self._passed, rnd, j))
+        tag = f"g{rnd.run.generation}.{self.crc:08x}"
+        if rnd.agreed < rnd.run.size and rnd.launched > rnd.agreed:
+            rnd.busy, rnd.stage = True, rnd.stage + 1
+            call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.MIN),
+                        dtype=DTYPE_CODES["int64"], shape=(1,), nbytes=8,
+                        name=f"{tag}.s{rnd.stage}")
+            value = np.array([rnd.launched], np.int64)
+            self.engine.submit(_Agree(self.lane, call, value, partial(self._staged, rnd)))
+        elif rnd.agreed == rnd.run.size and not rnd.finishing:
+            rnd.busy = rnd.finishing = True
+            self._barrier(f"{tag}.last", partial(self._staged, rnd, rnd.agreed))
 
-    def _passed(self, rnd: _Round, j: int, err: BaseException | None) -> None:
+    def _staged(self, rnd: _Round, upto: int, err: BaseException | None) -> None:
+        """Every rank packed buckets [0, upto): gather the last stage, reduce this one."""
         if err is not None:
             return self._fail(rnd, err)
-        n, order = rnd.run.size, rnd.order
-        gather = self.plan.buckets[order[j - 1]] if j > 0 else None
-        reduce = self.plan.buckets[order[j]] if j < n else None
-        self.worker.submit(partial(self._job, gather, reduce), partial(self._worked, rnd, j))
+        gather = [self.plan.buckets[rnd.order[p]] for p in rnd.pending]
+        fresh = range(rnd.agreed, upto)
+        reduce = [self.plan.buckets[rnd.order[p]] for p in fresh]
+        self.worker.submit(partial(self._job, gather, reduce),
+                           partial(self._worked, rnd, rnd.pending, fresh))
         return None
 
-    def _worked(self, rnd: _Round, j: int, err: BaseException | None) -> None:
+    def _worked(self, rnd: _Round, gathered: range, fresh: range,
+                err: BaseException | None) -> None:
         if err is not None:
             return self._fail(rnd, err)
-        rnd.busy = False
-        n = rnd.run.size
-        if j < n:
-            rnd.reduced = j + 1
-        if j > 0:
-            rnd.done(rnd.order[j - 1], None)
-        if j == n:
+        for p in gathered:
+            rnd.done(rnd.order[p], None)
+        rnd.pending, rnd.agreed, rnd.busy = fresh, max(rnd.agreed, fresh.stop), False
+        if rnd.finishing:
             del self._rounds[rnd.run.number]
-            self._barrier(f"g{rnd.run.generation}.released", rnd.run.release)
+            self._barrier(f"g{rnd.run.generation}.{self.crc:08x}.released", rnd.run.release)
         else:
             self._advance(rnd)
         return None
 
     def _fail(self, rnd: _Round, err: BaseException) -> None:
-        """Errors are collective: every rank stops this round at the same barrier."""
+        """Errors are collective: every rank stops this round at the same stage."""
         rnd.failed = err
         self._rounds.pop(rnd.run.number, None)
         for k in rnd.order:
@@ -220,22 +255,31 @@ class ShmTransport:
         call = Call(Kind.BARRIER, self.lane.next_seq(), name=name)
         self.engine.submit(_Barrier(self.lane, call, then))
 
-    def _job(self, gather: Bucket | None, reduce: Bucket | None) -> None:
+    def _job(self, gather: list[Bucket], reduce: list[Bucket]) -> None:
         self.arena.sync()
-        if gather is not None:
-            self._gather(gather)
-        if reduce is not None:
-            self._reduce(reduce)
+        for b in gather:
+            self._gather(b)
+        for b in reduce:
+            self._reduce(b)
         self.arena.sync()
 
     def _reduce(self, b: Bucket) -> None:
+        """Sum my chunk over ranks, in rank order whoever owns the chunk, so the
+        bits do not depend on the layout (IEEE addition commutes, it does not
+        associate)."""
         me, n = self.arena.rank, self.arena.size
         lo, hi = chunk(b, me, n)
-        bufs = self.peers[b.group]
-        acc = bufs[me][lo:hi]
-        for q in range(n):
-            if q != me:
-                acc.add_(bufs[q][lo:hi])
+        parts = [buf[lo:hi] for buf in self.peers[b.group]]
+        acc = parts[me]
+        if me < 2:
+            acc.add_(parts[1 - me])  # x0 + x1, the same bits as x1 + x0
+        else:
+            head = parts[0] + parts[1]
+            for q in range(2, me):
+                head.add_(parts[q])
+            torch.add(head, acc, out=acc)
+        for q in range(max(2, me + 1), n):
+            acc.add_(parts[q])
         if self.post != 1.0:
             acc.mul_(self.post)
 

@@ -21,6 +21,7 @@ async def main() -> None:
         assert (total == c.size * (c.size + 1) / 2).all(), total
         hosts = await c.allgather_object(socket.gethostname())
         assert len(set(hosts)) == c.size, f"ranks share hosts: {hosts}"
+        assert c.local_size == 1, f"{c.local_size} ranks on one node: shared memory"
         report(c.rank, "hello", f"{type(c.backend).__name__} {','.join(hosts)}")
 
 

@@ -49,6 +49,7 @@ async def check_collective(c: asynclock.Coordinator) -> None:
     assert (total == want).all(), f"allreduce gave {total}, want {want}"
     hosts = await c.allgather_object(socket.gethostname())
     assert len(set(hosts)) == c.size, f"ranks share hosts: {hosts}"
+    assert c.local_size == 1, f"MPI puts {c.local_size} ranks on this host: shared memory"
     big = await c.allreduce(np.ones(1 << 20, np.float32))  # 4 MiB: a bulk data stage
     assert (big == c.size).all()
     report(c.rank, "collective", ",".join(hosts))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import re
 import shutil
@@ -48,11 +49,7 @@ done
 exec {netrig_ssh} "$host" "$@"
 """
 LOCK_PATH = Path(os.environ.get("ASYNCLOCK_NETRIG_LOCK", "/tmp/asynclock-netrig.lock"))
-# Open MPI's daemons notice a lost control connection only through TCP keepalive
-# (default: after 300 s idle + 9 x 20 s). Fast here; on a cluster pick tens of seconds.
-OMPI_KEEPALIVE = {"OMPI_MCA_oob_tcp_keepalive_time": "2",
-                  "OMPI_MCA_oob_tcp_keepalive_intvl": "1",
-                  "OMPI_MCA_oob_tcp_keepalive_probes": "4"}
+KEEPALIVE_PROBES = 3  # Open MPI's control connections: probes 1 s apart after the idle time
 
 
 def find_netrig() -> Path | None:
@@ -80,6 +77,18 @@ def unavailable() -> str | None:
     if probe.returncode != 0:
         return f"cannot make network namespaces here: {probe.stderr.strip()[:200]}"
     return None
+
+
+def ompi_keepalive(env: Mapping[str, str]) -> dict[str, str]:
+    """Open MPI's mpirun and orteds notice a lost host only by TCP keepalive on their
+    control connections (default: 300 s idle, then 9 probes 20 s apart). Set it to
+    fire a few seconds after asynclock's watchdog has stopped the ranks (dead after
+    + failure grace): earlier, mpirun kills every rank before any says what happened."""
+    dead = float(env.get("ASYNCLOCK_DEAD_AFTER_S") or 10.0)
+    grace = float(env.get("ASYNCLOCK_FAILURE_GRACE_S") or 2.0)
+    return {"OMPI_MCA_oob_tcp_keepalive_time": str(math.ceil(dead + grace)),
+            "OMPI_MCA_oob_tcp_keepalive_intvl": "1",
+            "OMPI_MCA_oob_tcp_keepalive_probes": str(KEEPALIVE_PROBES)}
 
 
 def mpi_vendor(kind: str) -> str:
@@ -208,9 +217,9 @@ class Rig:
         env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                 env.get("PYTHONPATH")]))})
-        if mpi_vendor(kind) == "openmpi":
-            env.update(OMPI_KEEPALIVE)
         env.update(extra or {})
+        if mpi_vendor(kind) == "openmpi":
+            env.update({k: v for k, v in ompi_keepalive(env).items() if k not in env})
         return env
 
     def launcher_env(self, kind: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:

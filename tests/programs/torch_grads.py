@@ -7,6 +7,8 @@ with the tolerance stated in torch_common (float32 rounding only).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from _common import report
 from torch_common import (
@@ -83,6 +85,22 @@ def check_caps() -> None:
         assert expect, f"{label}: {buckets} buckets for {n_params} tensors"
         assert_same_on_all_ranks(model, gather, label)
         report(hvd.rank(), f"caps_{label}", f"{buckets} buckets")
+
+
+def check_groups() -> None:
+    """Horovod's `groups`: an int (even chunks) or explicit lists; one bucket each."""
+    for label in ("int", "lists"):
+        model = mlp(seed=13)
+        params = list(model.parameters())
+        groups = 2 if label == "int" else [params[:2], params[4:]]
+        opt = sgd(model, groups=groups)
+        for step in range(3):
+            check_grads(model, opt, step, f"groups {label}")
+        sets = [set(b.params) for b in opt.reducer.plan.buckets]
+        want = [{0, 1, 2}, {3, 4, 5}] if label == "int" else [{0, 1}, {4, 5}]
+        assert all(w in sets for w in want), f"groups {label}: buckets {sets}"
+        assert_same_on_all_ranks(model, gather, f"groups {label}")
+        report(hvd.rank(), f"groups_{label}")
 
 
 def check_identical_after_20_steps() -> None:
@@ -249,24 +267,36 @@ def check_hook_order_differs() -> None:
     report(hvd.rank(), "hook_order_differs")
 
 
+def force_reversed_launch_order(opt: object) -> None:
+    """After the agreed re-plan, every rank installs the same layout launched back
+    to front (a deliberately bad but agreed order), on this job's transport."""
+    reducer = opt.reducer
+    assert not reducer.replan_due
+    order, n = list(reducer.plan.order), len(reducer.plan.buckets)
+    plan = build_plan(order, reducer.specs, reducer.options.caps, launch=range(n - 1, -1, -1))
+    reducer._adopt(plan, reducer.transport is not None)
+
+
 def check_gated_bit_identical() -> None:
-    """Plain, per-bucket and layer-gated updates give the same bits (Adam)."""
+    """Plain, per-bucket, layer-gated and reversed-order updates give the same bits (Adam)."""
     tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
-    models = [mlp(seed=8, hidden=12) for _ in range(3)]
+    models = [mlp(seed=8, hidden=12) for _ in range(4)]
     opts = [hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
                                      named_parameters=m.named_parameters(), tuning=tuning, **kw)
             for m, kw in zip(models, [{}, {"per_bucket_step": True},
-                                      {"gate_forward": models[2]}], strict=True)]
+                                      {"gate_forward": models[2]}, {}], strict=True)]
     deferred = 0
     for step in range(6):
         for m, opt in zip(models, opts, strict=True):
             opt.zero_grad()
             local(step)(m).backward()
             opt.step()
+        if step == 0:
+            force_reversed_launch_order(opts[3])
         deferred += opts[2].reducer.updates.pending is not None
     opts[2].apply_pending()
     assert deferred == 5, f"gated optimizer deferred {deferred} of 5 rounds"
-    for label, m in (("per_bucket", models[1]), ("gated", models[2])):
+    for label, m in (("per_bucket", models[1]), ("gated", models[2]), ("reversed", models[3])):
         assert torch.equal(flat(models[0]), flat(m)), f"{label} differs from plain"
     opts[2].set_forward_gate(False)
     opts[2].zero_grad()
@@ -310,31 +340,44 @@ def check_mismatches() -> None:
 
 
 def check_bucket_mismatch() -> None:
-    """Bypass the agreement on purpose: each bucket op is header-checked."""
-    torch.manual_seed(11)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
-                                torch.nn.Linear(4, 4, bias=False))
-    opt = sgd(model, tuning=Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB, partition=False,
-                                   replan=False))
-    if hvd.rank() == 1:  # 2 buckets of 12 and 20 elements instead of 16 and 16
+    """Bypass the agreement on purpose: each bucket op is header-checked, on the
+    allreduce transport and (when this job uses it) the shared-memory one."""
+    for shm in sorted({False, shm_eligible()}):
+        torch.manual_seed(11)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
+                                    torch.nn.Linear(4, 4, bias=False))
+        opt = sgd(model, tuning=Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB,
+                                       partition=False, replan=False))
         reducer = opt.reducer
-        reducer._adopt(build_plan([1, 0], reducer.specs, Caps(80, 48)))
-    model(torch.ones(2, 4)).sum().backward()
-    for _attempt in range(2):  # the second step() re-raises: the channel is unusable
-        try:
-            opt.step()
-        except MismatchError as exc:
-            texts = hvd.allgather_object(str(exc))
-            assert all(t == texts[0] for t in texts) and "grad." in texts[0], texts
-        else:
-            raise AssertionError("mismatched buckets were reduced")
+        caps = Caps(80, 48) if hvd.rank() == 1 else reducer.options.caps
+        # rank 1: 2 buckets of 12 and 20 elements instead of 16 and 16
+        reducer._adopt(build_plan([1, 0], reducer.specs, caps), shm)
+        model(torch.ones(2, 4)).sum().backward()
+        for _attempt in range(2):  # the second step() re-raises: the channel is unusable
+            try:
+                opt.step()
+            except MismatchError as exc:
+                texts = hvd.allgather_object(str(exc))
+                assert all(t == texts[0] for t in texts), texts
+            else:
+                raise AssertionError("mismatched buckets were reduced")
+        report(hvd.rank(), f"mismatch_buckets_{'shm' if shm else 'allreduce'}")
     report(hvd.rank(), "mismatch_buckets")
+
+
+def shm_eligible() -> bool:
+    from asynclock import runtime
+    from asynclock.torch.shm import eligible
+
+    coord = runtime.coordinator()
+    return eligible(coord, coord.grad_lane) and os.environ.get("ASYNCLOCK_SHM", "1") != "0"
 
 
 def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     check_caps()
+    check_groups()
     check_identical_after_20_steps()
     check_unused_and_frozen()
     check_accumulation()
