@@ -39,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "programs"))
 import netrig_rig  # noqa: E402
+from netrig_live import LiveJob, rank_pids, wait_gone  # noqa: E402
 
 LINKS = {"unlimited": None, "5gbit": "5gbit"}
 MPIS = {"openmpi": "system", "mpich": "embedded"}
@@ -121,10 +122,13 @@ def run_spec(rig: netrig_rig.Rig, spec: Spec, link: str, timeout: float) -> Any 
         notes = [line for line in job.lines if line.startswith("#") or "rror" in line]
         for line in notes[-12:]:
             print(f"#   {line[:200]}", flush=True)
-        if code != 0 or not out.exists():
+        if code != 0:
             print(job.output[-4000:], file=sys.stderr)
+        if not out.exists():
             return None
-        return json.loads(out.read_text())
+        data = json.loads(out.read_text())  # written before a crash at exit: still figures
+        data["exit"] = code
+        return data
 
 
 def train_rows(data: Any, spec: Spec, link: str) -> list[Row]:
@@ -134,7 +138,7 @@ def train_rows(data: Any, spec: Spec, link: str) -> list[Row]:
         for method, sps in per_method.items():
             if method in spec.drop:
                 continue
-            rows.append({"link": link, "mpi": spec.mpi, "model": model,
+            rows.append({"link": link, "mpi": spec.mpi, "model": model, "exit": data.get("exit"),
                          "method": spec.rename.get(method, method), "samples_per_s": sps,
                          "step_ms": data.get("step_ms", {}).get(model, {}).get(method),
                          "exposed_comm": data.get("exposed_comm", {}).get(model, {}).get(method),
@@ -144,7 +148,8 @@ def train_rows(data: Any, spec: Spec, link: str) -> list[Row]:
 
 
 def collective_rows(data: Any, spec: Spec, link: str) -> list[Row]:
-    rows = [{"link": link, "mpi": spec.mpi, **r} for r in data.get("rows", [])]
+    rows = [{"link": link, "mpi": spec.mpi, "exit": data.get("exit"), **r}
+            for r in data.get("rows", [])]
     for system, frac in (data.get("idle_cpu_fraction") or {}).items():
         rows.append({"link": link, "mpi": spec.mpi, "system": system, "bytes": 0,
                      "idle_cpu_fraction": frac})
@@ -304,11 +309,11 @@ def cut_once(rig: netrig_rig.Rig, mpi: str, n: int, env: dict[str, str], i: int)
         if not job.wait_for("armed", range(n), 120):
             job.finish(0)
             return {"mpi": mpi, "hosts": n, "run": i, "error": job.output[-2000:]}
-        pids = netrig_rig.rank_pids(job)
+        pids = rank_pids(job)
         rig.cut(f"nr{n}")
         t_cut = time.monotonic()
         try:
-            alive = netrig_rig.wait_gone(pids.values(), 60)
+            alive = wait_gone(pids.values(), 60)
             t_ranks = time.monotonic()
             job.finish(LAUNCHER_GRACE_S[mpi])  # still running then: stuck on the cut host
         finally:
@@ -317,7 +322,7 @@ def cut_once(rig: netrig_rig.Rig, mpi: str, n: int, env: dict[str, str], i: int)
         return {**row, "ranks_gone_s": None if alive else t_ranks - t_cut}
 
 
-def fault_row(job: netrig_rig.LiveJob, mpi: str, n: int, i: int, t_cut: float,
+def fault_row(job: LiveJob, mpi: str, n: int, i: int, t_cut: float,
               left: list[str]) -> Row:
     hit = job.first(rf"asynclock\[rank \d+\]: .*rank {n - 1} is unreachable")
     return {"mpi": mpi, "hosts": n, "run": i,

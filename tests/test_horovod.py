@@ -27,8 +27,8 @@ from asynclock.backends.horovod import _row_width, _split
 from asynclock.backends.mailbox import AGREE, Mailbox
 from asynclock.errors import BackendError
 
-BACKEND_LABELS = ["widened", "mismatch_poll", "mismatch_wait", "alive", "small_never_horovod",
-                  "horovod_down"]
+BACKEND_LABELS = ["widened", "cancel_detaches", "mismatch_poll", "mismatch_wait", "alive",
+                  "small_never_horovod", "horovod_down"]
 HVD_ENV = {"ASYNCLOCK_BACKEND": "horovod"}
 
 

@@ -15,19 +15,23 @@ iproute2/unshare). Heartbeats run fast here (0.25 s, dead after 5 s).
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mpijob import DEFAULT_KIND, OTHER_KINDS, PROGRAMS, horovodrun_missing, mpi_select
+from mpijob import DEFAULT_KIND, OTHER_KINDS, PROGRAMS, horovodrun_missing
 
 from asynclock.failure import EXIT_RANK_FAILED
 
 sys.path.insert(0, str(PROGRAMS))
+import mpi_select  # noqa: E402  (mpi/, put on sys.path by mpijob)
 import netrig_rig  # noqa: E402  (tests/programs/netrig_rig.py: rig control)
+from netrig_live import LiveJob, rank_pids, untag, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -45,12 +49,12 @@ TCP_RETRIES2 = 5  # net.ipv4.tcp_retries2 in the hosts: a dead TCP peer is given
 def test_skip_reasons_name_what_is_missing(monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
     """Where no rig can be made the suite skips, saying why (checked in this order)."""
-    monkeypatch.setattr(netrig_rig.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in (netrig_rig.unavailable() or "")
-    monkeypatch.setattr(netrig_rig.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert "needs ip, unshare, tc" in (netrig_rig.unavailable() or "")
-    monkeypatch.setattr(netrig_rig.shutil, "which", lambda name, **kw: f"/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name, **kw: f"/bin/{name}")
     monkeypatch.setenv("ASYNCLOCK_NETRIG", str(tmp_path / "absent"))
     assert "netrig script not found" in (netrig_rig.unavailable() or "")
 
@@ -58,7 +62,7 @@ def test_skip_reasons_name_what_is_missing(monkeypatch: pytest.MonkeyPatch,
 def test_untag_reads_rank_lines_behind_any_launcher_tag() -> None:
     for line in ("RANK 1 OK hello x", "[1] RANK 1 OK hello x", "[1,1]<stdout>:RANK 1 OK hello x",
                  "[1]<stdout>:RANK 1 OK hello x"):
-        assert netrig_rig.untag(line) == "RANK 1 OK hello x", line
+        assert untag(line) == "RANK 1 OK hello x", line
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +87,23 @@ def fresh(rig: netrig_rig.Rig, n: int, kind: str = "") -> None:
     rig.up(n, tcp_retries2=TCP_RETRIES2 if openmpi else None)
 
 
-def start(rig: netrig_rig.Rig, kind: str, n: int, workdir: Path, *flags: str) -> netrig_rig.LiveJob:
+def start(rig: netrig_rig.Rig, kind: str, n: int, workdir: Path, *flags: str) -> LiveJob:
     argv = [sys.executable, str(PROGRAMS / "netrig_job.py"), str(workdir), *flags]
     return rig.start(kind, n, argv, FAST)
 
 
-def expect(job: netrig_rig.LiveJob, label: str, ranks: range, timeout: float = START_S) -> None:
+def expect(job: LiveJob, label: str, ranks: range, timeout: float = START_S) -> None:
     assert job.wait_for(label, ranks, timeout), f"no {label!r} from {list(ranks)}\n" + job.explain()
 
 
-def placement(job: netrig_rig.LiveJob, n: int) -> None:
+def placement(job: LiveJob, n: int) -> None:
     """Rank r runs on host nr(r+1): the cut below must hit the rank we name."""
     for r in range(n):
         detail = job.detail(r, "pid") or ""
         assert detail.endswith(f" nr{r + 1}"), f"rank {r} on {detail!r}\n" + job.explain()
 
 
-def brief_cut(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, workdir: Path,
+def brief_cut(rig: netrig_rig.Rig, job: LiveJob, host: str, workdir: Path,
               n: int) -> None:
     """Cut `host` for BRIEF_CUT_S, heal it, then let the ranks stop their loop."""
     expect(job, "heal_armed", range(n))
@@ -110,16 +114,16 @@ def brief_cut(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, workdir: 
     expect(job, "healed", range(n), timeout=60)
 
 
-def cut_for_good(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, n: int,
+def cut_for_good(rig: netrig_rig.Rig, job: LiveJob, host: str, n: int,
                  kind: str) -> float:
     """Cut `host` for good; wait for every rank to exit, then for the launcher (hydra's
     is known to wait for ever: it gets LAUNCHER_GRACE_S after the last rank)."""
     expect(job, "armed", range(n))
-    pids = netrig_rig.rank_pids(job)
+    pids = rank_pids(job)
     assert sorted(pids) == list(range(n)), job.explain()
     rig.cut(host)
     t_cut = time.monotonic()
-    left = netrig_rig.wait_gone(pids.values(), DEADLINE_S)
+    left = wait_gone(pids.values(), DEADLINE_S)
     give_up = t_cut + DEADLINE_S
     if netrig_rig.mpi_vendor(kind) == "hydra":
         give_up = min(give_up, time.monotonic() + LAUNCHER_GRACE_S)
@@ -128,7 +132,7 @@ def cut_for_good(rig: netrig_rig.Rig, job: netrig_rig.LiveJob, host: str, n: int
     return t_cut
 
 
-def summary(job: netrig_rig.LiveJob, t_cut: float) -> None:
+def summary(job: LiveJob, t_cut: float) -> None:
     """Shown by `pytest -rA`: what each rank said, how long the launcher took."""
     end = "killed" if not job.returned_by_itself else f"exit {job.returncode}"
     took = (job.ended_at or time.monotonic()) - t_cut
@@ -137,13 +141,13 @@ def summary(job: netrig_rig.LiveJob, t_cut: float) -> None:
     print("\n".join(line for line in job.lines if "asynclock[" in line or " OK " in line))
 
 
-def stop(job: netrig_rig.LiveJob) -> None:
+def stop(job: LiveJob) -> None:
     """A job a failed assertion left running is killed (its session) at once."""
     if job.returncode is None:
         job.finish(0)
 
 
-def assert_reports(job: netrig_rig.LiveJob, reporters: list[int], victim: int) -> None:
+def assert_reports(job: LiveJob, reporters: list[int], victim: int) -> None:
     """Each rank that can print names the victim and the operation it waited in."""
     for r in reporters:
         pat = (rf"asynclock\[rank {r}\]: (rank \d+ stopped the job: )?rank {victim} is "
@@ -154,7 +158,7 @@ def assert_reports(job: netrig_rig.LiveJob, reporters: list[int], victim: int) -
     assert not job.ok_ranks("survived"), job.explain()
 
 
-def assert_launcher(job: netrig_rig.LiveJob, rig: netrig_rig.Rig, t_cut: float, kind: str) -> None:
+def assert_launcher(job: LiveJob, rig: netrig_rig.Rig, t_cut: float, kind: str) -> None:
     """The launcher returned non-zero by itself within the deadline; nothing left."""
     left = rig.leftovers()
     if not job.returned_by_itself and netrig_rig.mpi_vendor(kind) == "hydra":

@@ -52,8 +52,7 @@ def assert_labels(j: Job, nranks: int, *labels: str) -> None:
 
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
 grads_cases = cases("backend, nranks, transport", [
-    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"),
-    ("horovod", 2, "allreduce"), ("horovod", 3, "allreduce")])
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 2, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:

@@ -52,7 +52,11 @@ class Mailbox:
         self.dead: set[int] = set()
         with socket.create_server(("", 0), backlog=max(1, size)) as listener:
             addresses = exchange((host, listener.getsockname()[1]))
-            self._peers = self._connect_mesh(listener, addresses)
+            try:
+                self._peers = self._connect_mesh(listener, addresses)
+            except OSError as exc:  # unreachable host, refused, or a peer that never came
+                raise BackendError(f"rank {rank}: building the TCP mesh between "
+                                   f"{addresses} failed: {exc}") from exc
         for peer, sock in self._peers.items():
             sock.setblocking(False)
             self._rx[peer], self._tx[peer] = bytearray(), bytearray()

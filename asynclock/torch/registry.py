@@ -46,6 +46,11 @@ class ParamRegistry:
             raise ValueError("named_parameters was specified, but one or more model parameters "
                              f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
         self.params: list[torch.nn.Parameter] = [p for p in everything if p.requires_grad]
+        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
+        if off_cpu:
+            raise NotImplementedError(
+                f"the gradient reducer works on CPU parameters, these are on {off_cpu}; "
+                "for GPUs use the collectives with asynclock.cuda (staged buckets)")
         self.names = [names[id(p)] for p in self.params]
         self.frozen = [p for p in everything if not p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}

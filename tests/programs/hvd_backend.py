@@ -6,6 +6,9 @@ Usage: hvd_backend.py [--trio]   (run with ASYNCLOCK_BACKEND=horovod, or under h
    wrap back exactly like MPI's narrow arithmetic; reduce_scatter with ops
    Horovod's reducescatter lacks (min/max/product) or fewer rows than ranks.
 
+`cancel_detaches`: cancelling a task awaiting a Horovod data stage leaves the
+op running to completion on every rank (no desync).
+
 Horovod failures reach the caller as asynclock's BackendError on every rank:
 
 1. `mismatch_poll` / `mismatch_wait`: a data stage whose shapes differ across
@@ -70,6 +73,28 @@ async def check_widened(c: asynclock.Coordinator) -> None:
     report(c.rank, "widened")
 
 
+async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
+    """Regression: cancelling the task awaiting a Horovod data stage detaches it;
+    the op still completes on every rank, so the next collective is correct."""
+    big = torch.ones(400_000) * (c.rank + 1)
+    handle = c.allreduce_async(big)  # issued here, on every rank, in this order
+
+    async def waiter() -> None:
+        await handle
+        raise AssertionError("the awaiting task was not cancelled")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0)
+        tg.cancel_scope.cancel()
+    await c.drain()
+    assert c.statistics().detached >= 1, c.statistics()
+    assert torch.all((await handle) == c.size * (c.size + 1) / 2)
+    got = await c.allreduce(torch.full((1000,), 2.0))
+    assert torch.all(got == 2.0 * c.size), got[:4]
+    report(c.rank, "cancel_detaches")
+
+
 async def check_mismatch(c: asynclock.Coordinator) -> None:
     chan = c.grad_lane.transport
     prefix = chan._prefix  # type: ignore[attr-defined]
@@ -127,6 +152,7 @@ async def main() -> None:
     async with asynclock.start() as c:
         assert c.backend.name == "horovod", c.backend.describe()
         await check_widened(c)
+        await check_cancel_detaches(c)
         await check_mismatch(c)
         await check_alive(c)
         await check_small_never_horovod(c)
