@@ -113,22 +113,9 @@ class Engine:
     # -- submission ------------------------------------------------------------
     def submit(self, op: Operation) -> Operation:
         """Start `op` now (caller's order), spin briefly, else hand it to the poller."""
-        if self.failure is not None:
-            raise _fresh(self.failure)
-        op.issued_at = self._last_progress = time.perf_counter()
+        self._begin(op)
         op.start()
-        self._issued += 1
-        if self.on_event is not None:
-            self.on_event("issue", op, op.issued_at)
-        if self._spin(op):
-            self._completed += 1
-            if self.on_event is not None:
-                self.on_event("done", op, time.perf_counter())
-            return op
-        self.inflight.append(op)
-        if self._wake is not None:
-            self._wake.set()
-        return op
+        return self._adopt(op, self._spin(op))
 
     def track(self, request: Any, what: str = "request") -> Operation:
         """Adopt a raw transport request (e.g. point-to-point) for `await wait(op)`.
@@ -136,14 +123,22 @@ class Engine:
         The engine keeps testing it until it completes, even if every waiter
         is cancelled, so a request is never leaked or left unprogressed.
         """
+        op = RawRequest(request, what)
+        self._begin(op)
+        return self._adopt(op, op.poll())
+
+    def _begin(self, op: Operation) -> None:
+        """Refuse after a fatal failure; stamp and count the op."""
         if self.failure is not None:
             raise _fresh(self.failure)
-        op = RawRequest(request, what)
         op.issued_at = self._last_progress = time.perf_counter()
         self._issued += 1
         if self.on_event is not None:
             self.on_event("issue", op, op.issued_at)
-        if op.poll():
+
+    def _adopt(self, op: Operation, finished: bool) -> Operation:
+        """Count an op that already finished, or hand it to the poller."""
+        if finished:
             self._completed += 1
             if self.on_event is not None:
                 self.on_event("done", op, time.perf_counter())
