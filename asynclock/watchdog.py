@@ -318,11 +318,21 @@ class Watchdog:
         self._check_closed_peers(snap)
 
     def _check_closed_peers(self, snap: EngineSnapshot) -> None:
-        """A peer that shut down can never join an operation it did not issue."""
+        """A peer that shut down can never join an operation it did not issue.
+
+        The verdict must hold for `dead_after_s`: a peer's last status can be a
+        snapshot taken just before it issued the op we wait in, and the op then
+        completes here moments later (seen with short-lived gradient lanes).
+        """
+        now, seen = time.monotonic(), getattr(self, "_closed_seen", {})
+        self._closed_seen = seen = {k: t for k, t in seen.items()
+                                    if k[1] in {op.ident for op in snap.ops}}
         for op in snap.ops:
             for peer in sorted(self._closed):
                 st = self.peers[peer]
                 if st is not None and 0 <= op.lane < len(st.seqs) and st.seqs[op.lane] < op.seq:
+                    if now - seen.setdefault((peer, op.ident), now) < self.policy.dead_after_s:
+                        continue
                     self._set_fatal(
                         f"rank {peer} shut asynclock down after issuing #{st.seqs[op.lane]} on "
                         f"lane {snap.lane_names[op.lane]}, so {op.description} can never complete",
