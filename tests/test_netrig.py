@@ -41,6 +41,7 @@ FAST = {"ASYNCLOCK_HEARTBEAT_S": "0.25", "ASYNCLOCK_DEAD_AFTER_S": "5",
 DEADLINE_S = 30.0  # from the cut: every rank gone, the launcher returned
 LAUNCHER_GRACE_S = 10.0  # hydra still running this long after its last rank: stuck
 BRIEF_CUT_S = 1.5  # well under ASYNCLOCK_DEAD_AFTER_S: must not kill the job
+RIG_BUSY_S = 60.0  # another user of the (one per machine) rig: skip after this long
 START_S = 120.0  # launch + imports + first phases on a loaded 2-core machine
 TCP_RETRIES2 = 5  # net.ipv4.tcp_retries2 in the hosts: a dead TCP peer is given up in ~15 s
 
@@ -74,8 +75,15 @@ def rig() -> Iterator[netrig_rig.Rig]:
     reason = netrig_rig.unavailable()
     if reason is not None:
         pytest.skip(f"netrig: {reason}")
-    with netrig_rig.Rig() as r:
-        yield r
+    rig = netrig_rig.Rig(lock_timeout=RIG_BUSY_S)
+    try:
+        rig.__enter__()
+    except TimeoutError as exc:  # e.g. bench/netrig.py running: do not wait for it
+        pytest.skip(f"netrig: {exc} for {RIG_BUSY_S:g} s")
+    try:
+        yield rig
+    finally:
+        rig.close()
 
 
 def fresh(rig: netrig_rig.Rig, n: int, kind: str = "") -> None:

@@ -127,6 +127,8 @@ class Rig:
                 return
             except BlockingIOError:
                 if time.monotonic() > deadline:
+                    self._lock_file.close()
+                    self._lock_file = None
                     raise TimeoutError(f"another netrig user holds {LOCK_PATH}") from None
                 time.sleep(0.5)
 
