@@ -169,6 +169,7 @@ class Watchdog:
         self._dead: set[int] = set()
         self._sends: list[Any] = []
         self._reported: set[int] = set()
+        self._closed_seen: dict[tuple[int, int], float] = {}  # (peer, op) -> first verdict
         self._wake, self._stop, self._told = threading.Event(), threading.Event(), threading.Event()
         self._fatal: tuple[str, type[Exception] | None, bool] | None = None
         self.stopping: str | None = None
@@ -315,18 +316,17 @@ class Watchdog:
                                 "(it died, froze, or its link is down)",
                                 RankFailedError, EXIT_RANK_FAILED)
                 return
-        self._check_closed_peers(snap)
+        self._check_closed_peers(now, snap)
 
-    def _check_closed_peers(self, snap: EngineSnapshot) -> None:
+    def _check_closed_peers(self, now: float, snap: EngineSnapshot) -> None:
         """A peer that shut down can never join an operation it did not issue.
 
         The verdict must hold for `dead_after_s`: a peer's last status can be a
         snapshot taken just before it issued the op we wait in, and the op then
         completes here moments later (seen with short-lived gradient lanes).
         """
-        now, seen = time.monotonic(), getattr(self, "_closed_seen", {})
-        self._closed_seen = seen = {k: t for k, t in seen.items()
-                                    if k[1] in {op.ident for op in snap.ops}}
+        live = {op.ident for op in snap.ops}
+        self._closed_seen = seen = {k: t for k, t in self._closed_seen.items() if k[1] in live}
         for op in snap.ops:
             for peer in sorted(self._closed):
                 st = self.peers[peer]

@@ -118,13 +118,16 @@ class _Worker:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            job, then = item
-            error: BaseException | None = None
-            try:
-                job()
-            except Exception as exc:  # surfaced as the bucket's error on the loop
-                error = exc
-            self._call_soon(partial(then, error))
+            self._do(*item)
+            del item  # hold no tensor while idle (see progress._WaitThread)
+
+    def _do(self, job: Callable[[], None], then: Done) -> None:
+        error: BaseException | None = None
+        try:
+            job()
+        except Exception as exc:  # surfaced as the bucket's error on the loop
+            error = exc
+        self._call_soon(partial(then, error))
 
     def stop(self) -> None:
         """Finish queued jobs, then end the thread (no torch op runs at exit)."""
@@ -243,9 +246,13 @@ class ShmTransport:
         return None
 
     def _fail(self, rnd: _Round, err: BaseException) -> None:
-        """Errors are collective: every rank stops this round at the same stage."""
+        """Errors are collective: every rank stops this round at the same stage.
+
+        The round stays registered, failed: a bucket packed later (ranks pack
+        at their own pace) must not start a fresh round whose stage op only
+        this rank would issue (seen as a desync at shutdown).
+        """
         rnd.failed = err
-        self._rounds.pop(rnd.run.number, None)
         for k in rnd.order:
             if not rnd.run.done[k].is_set():
                 rnd.done(k, err)
