@@ -20,34 +20,29 @@ lines `[r] line` (the runners' own tags split lines; see that module).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any
 
+from .jobwatch import FAILURE_GRACE_S, run_job
+from .jobwatch import TIMEOUT_EXIT as TIMEOUT_EXIT  # re-exported for callers and tests
+from .jobwatch import strip_tag as strip_tag
 from .rankio import env_rank as env_rank  # re-exported: the launchers' rank variables
 from .rankio import env_size as env_size
 from .rankio import trampoline
 
 RUNNERS = ("auto", "mpiexec", "embedded", "system", "horovodrun", "srun")
-TIMEOUT_EXIT = 124
-GRACE_S = 5.0
 # Variables Open MPI must be told to forward (-x): local ranks inherit, remote ones do not.
 FORWARD_PREFIXES = ("ASYNCLOCK_", "PYTHON", "MPI4PY_", "OMP_", "HOROVOD_", "NCCL_", "CUDA_",
                     "TORCH", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV")
-# horovodrun tags lines itself ("[0]<stdout>:", "[1,0]<stdout>:" under its MPI controller).
-_HOROVOD_TAG = re.compile(rb"^\[(?:\d+,)?\d+\]<std(?:out|err|diag)>:")
 _HOST_FLAGS = {"hydra": ("-hosts", "-f"), "openmpi": ("--host", "--hostfile"),
                "horovodrun": ("-H", "--hostfile"), "srun": ("--nodelist", "--nodelist")}
 
@@ -98,6 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("-H", "--hosts", help="host:slots,host:slots")
     add("--hostfile", help="'host slots=N' or 'host:N' lines; converted for the runner")
     add("--timeout", type=float, default=None, help="kill the whole job after S seconds")
+    add("--failure-grace", type=float, default=FAILURE_GRACE_S, metavar="S",
+        help="kill the job when the runner outlives a rank's 'stopping the job' by S "
+             "seconds (hydra never returns after a host is cut off)")
     add("--timeline", metavar="PREFIX", help="record a timeline; merged at the end")
     add("--no-prefix", action="store_true", help="do not tag output lines with [rank]")
     add("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
@@ -273,76 +271,11 @@ def build_plan(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
 
 
 # -- running it ---------------------------------------------------------------------------
-def strip_tag(line: bytes) -> bytes:
-    """Drop horovodrun's own tag from a line our trampoline already tagged."""
-    m = _HOROVOD_TAG.match(line)
-    return line if m is None else line[m.end():]
-
-
-def _pump(src: IO[bytes], dst: IO[bytes]) -> None:
-    for line in iter(src.readline, b""):
-        dst.write(strip_tag(line))
-        dst.flush()
-    src.close()
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the job's process group; SIGKILL whatever outlives the grace period."""
-    _kill_group(proc, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(GRACE_S)
-    _kill_group(proc, signal.SIGKILL)
-    proc.wait()
-
-
-def _forward_signals(proc: subprocess.Popen[bytes]) -> dict[int, Any]:
-    """The job runs in its own session, so pass Ctrl-C / SIGTERM on to its group."""
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda s, _f: _kill_group(proc, s))
-    return previous
-
-
-def run_plan(plan: Plan, timeout: float | None = None) -> int:
+def run_plan(plan: Plan, timeout: float | None = None,
+             failure_grace_s: float = FAILURE_GRACE_S) -> int:
     """Run the plan: the runner's exit status (128+N for signal N, 124 on timeout)."""
-    pipe = subprocess.PIPE if plan.strip_tags else None
-    proc = subprocess.Popen(plan.argv, env=plan.env, stdout=pipe, stderr=pipe,
-                            start_new_session=True)
-    pumps = [threading.Thread(target=_pump, args=(src, dst), daemon=True)
-             for src, dst in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))
-             if src is not None]
-    for t in pumps:
-        t.start()
-    previous = _forward_signals(proc)
-    try:
-        rc = _wait(proc, timeout)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    for t in pumps:
-        t.join(GRACE_S)
-    return rc
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float | None) -> int:
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        print(f"asynclock-launch: timeout after {timeout:g}s: killing the job", file=sys.stderr,
-              flush=True)
-        _terminate(proc)
-        return TIMEOUT_EXIT
-    except BaseException:  # a second Ctrl-C or any error: never leave ranks behind
-        _terminate(proc)
-        raise
-    _kill_group(proc, signal.SIGKILL)  # ranks a runner left behind when it exited
-    return 128 - rc if rc < 0 else rc
+    return run_job(plan.argv, plan.env, strip_tags=plan.strip_tags, timeout=timeout,
+                   failure_grace_s=failure_grace_s)
 
 
 def _merge_timeline(prefix: str) -> None:
@@ -369,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import timeline
 
             timeline.remove_rank_files(args.timeline)
-        rc = run_plan(plan, args.timeout)
+        rc = run_plan(plan, args.timeout, args.failure_grace)
     finally:
         for path in plan.temp_files:
             os.unlink(path)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +16,7 @@ from types import ModuleType
 import pytest
 from mpijob import PROGRAMS, ROOT
 
-from asynclock import launch, rankio
+from asynclock import jobwatch, launch, rankio
 
 
 def _mpi_select() -> ModuleType:
@@ -185,6 +186,28 @@ def test_timeout_kills_the_whole_job(kind: str) -> None:
     assert not _processes_with(token)
 
 
+def _wait_gone(token: str) -> list[int]:
+    for _ in range(50):  # SIGKILLed; give the kernel a moment to reap
+        if not _processes_with(token):
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    return _processes_with(token)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_runner_that_outlives_a_stopping_rank_is_killed(kind: str) -> None:
+    """Hydra never returns once a host is cut off: a rank's 'stopping the job'
+    line plus --failure-grace must end the launch with that rank's exit code."""
+    token = f"hang-{uuid.uuid4().hex}"
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "100", "--failure-grace", "2",
+                        HELLO, "--hang", "--announce", token)
+    assert done.returncode == 3, explain(done)
+    assert "asynclock-launch: rank 1 stopped the job (exit 3)" in done.stderr, explain(done)
+    assert "the runner has not returned: killing it" in done.stderr, explain(done)
+    assert not _wait_gone(token)
+
+
 @pytest.mark.mpi
 def test_console_script_and_timeline_flag(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("asynclock-launch")
@@ -237,3 +260,21 @@ def test_horovodrun_failing_rank_fails_the_launch() -> None:
         pytest.skip(reason)
     done = run_launcher("-n", "2", "--gloo", "--timeout", "240", HVD, "--fail", timeout=300)
     assert done.returncode not in (0, launch.TIMEOUT_EXIT), explain(done)
+
+
+def test_stopping_announcement_is_parsed_behind_any_tag() -> None:
+    line = b"[1,1]<stderr>:asynclock[rank 1]: rank 0 is unreachable: ...; stopping the job (exit 3)"
+    seen = jobwatch.parse_stopping(line, 7.0)
+    assert seen == jobwatch.Stopping(rank=1, exit_code=3, seen_at=7.0)
+    assert jobwatch.parse_stopping(b"[0] stopping the job (exit 3)", 0.0) is None
+
+
+def test_overdue_verdicts() -> None:
+    now = time.monotonic()
+    late = jobwatch.Stopping(2, 4, now - 30)
+    assert jobwatch._overdue(None, None, 20, None) is None
+    assert jobwatch._overdue(jobwatch.Stopping(2, 4, now), None, 20, None) is None
+    code, text = jobwatch._overdue(late, None, 20, None) or (0, "")
+    assert code == 4 and text.startswith("rank 2 stopped the job (exit 4) 30 s ago")
+    code, text = jobwatch._overdue(late, now - 1, 20, 5.0) or (0, "")
+    assert (code, text) == (launch.TIMEOUT_EXIT, "timeout after 5s: killing the job")

@@ -1,7 +1,9 @@
 """Rank program for launcher tests: MPI works, each rank writes to stdout and stderr.
 
 `--fail`: rank 1 exits with status 3 after the allreduce. `--hang`: every
-rank blocks forever (the launcher's --timeout must end the job).
+rank blocks forever (the launcher's --timeout must end the job). `--hang
+--announce`: rank 1 first says it stops the job, as the watchdog does, and the
+job still never ends (as hydra after a cut host): the launcher must end it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ def main() -> int:
     print(f"hello from {comm.rank} of {comm.size} env_rank={env_rank()} env_size={env_size()} "
           f"timeline={os.environ.get('ASYNCLOCK_TIMELINE', '-')}", flush=True)
     print(f"note on stderr from {comm.rank}", file=sys.stderr, flush=True)
+    if "--announce" in sys.argv and comm.rank == 1:
+        print("asynclock[rank 1]: rank 0 is unreachable: no heartbeat for 5.1 s; "
+              "stopping the job (exit 3)", file=sys.stderr, flush=True)
     if "--hang" in sys.argv:
         print(f"hanging {comm.rank}", flush=True)
         threading.Event().wait()

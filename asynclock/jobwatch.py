@@ -1,0 +1,167 @@
+"""Run a launcher process as a whole: forward its output, signals and end.
+
+Why a watch: some runners never return after a rank stopped the job. MPICH's
+hydra `mpiexec` waits for ever for the proxy on a host whose link was cut
+(its control connection has no keepalive), although every rank there has
+exited. asynclock ranks announce a job-ending failure on stderr
+(`asynclock[rank R]: ...; stopping the job (exit N)`); once such a line has
+passed and the runner is still running `failure_grace_s` later, the whole
+process group is killed and the launch returns the rank's exit code N. A
+`timeout` bounds the job whatever happens (exit 124).
+
+The runner runs in its own session, so one `killpg` reaches every local
+rank and proxy; Ctrl-C and SIGTERM are passed on to that group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+TIMEOUT_EXIT = 124
+GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+FAILURE_GRACE_S = 20.0  # a rank stopped the job: the runner must be gone by then
+_POLL_S = 0.2
+# horovodrun tags lines itself ("[0]<stdout>:", "[1,0]<stdout>:" under its MPI controller).
+_HOROVOD_TAG = re.compile(rb"^\[(?:\d+,)?\d+\]<std(?:out|err|diag)>:")
+_STOPPING = re.compile(rb"asynclock\[rank (\d+)\]: .*stopping the job \(exit (\d+)\)")
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A rank's announcement that it ends the job."""
+
+    rank: int
+    exit_code: int
+    seen_at: float  # time.monotonic()
+
+
+def strip_tag(line: bytes) -> bytes:
+    """Drop horovodrun's own tag from a line our trampoline already tagged."""
+    m = _HOROVOD_TAG.match(line)
+    return line if m is None else line[m.end():]
+
+
+def parse_stopping(line: bytes, now: float) -> Stopping | None:
+    """The announcement in `line`, if it is one (any launcher tag before it)."""
+    m = _STOPPING.search(line)
+    return None if m is None else Stopping(int(m[1]), int(m[2]), now)
+
+
+class _OutputWatch:
+    """Pumps one stream line by line; remembers the first stopping announcement."""
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.stopping: Stopping | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _pump(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        for line in iter(src.readline, b""):
+            if self.stopping is None and b"stopping the job" in line:
+                self.stopping = parse_stopping(line, time.monotonic())
+            dst.write(strip_tag(line) if self.strip else line)
+            dst.flush()
+        src.close()
+
+    def join(self, timeout: float) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+
+def kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the job's process group; SIGKILL whatever outlives the grace period."""
+    kill_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(GRACE_S)
+    kill_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def _forward_signals(proc: subprocess.Popen[bytes]) -> dict[int, Any]:
+    """The job runs in its own session, so pass Ctrl-C / SIGTERM on to its group."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda s, _f: kill_group(proc, s))
+    return previous
+
+
+def run_job(argv: list[str], env: dict[str, str] | None, *, strip_tags: bool = False,
+            timeout: float | None = None, failure_grace_s: float = FAILURE_GRACE_S) -> int:
+    """Run the runner: its exit status (128+N for signal N, 124 on timeout, or a
+    stopping rank's exit code when the runner outlived that rank's announcement)."""
+    out = subprocess.PIPE if strip_tags else None  # stdout stays a terminal otherwise
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    watch = _OutputWatch(strip_tags)
+    for src, dst in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+        if src is not None:
+            watch.start(src, dst)
+    previous = _forward_signals(proc)
+    try:
+        rc = _supervise(proc, watch, timeout, failure_grace_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    watch.join(GRACE_S)
+    return rc
+
+
+def _supervise(proc: subprocess.Popen[bytes], watch: _OutputWatch, timeout: float | None,
+               failure_grace_s: float) -> int:
+    """Wait for the runner; kill it on timeout or when it outlives a stopping rank."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while (rc := _poll(proc)) is None:
+            verdict = _overdue(watch.stopping, deadline, failure_grace_s, timeout)
+            if verdict is not None:
+                say(verdict[1])
+                terminate(proc)
+                return verdict[0]
+    except BaseException:  # a second Ctrl-C or any error: never leave ranks behind
+        terminate(proc)
+        raise
+    kill_group(proc, signal.SIGKILL)  # ranks a runner left behind when it exited
+    return 128 - rc if rc < 0 else rc
+
+
+def _poll(proc: subprocess.Popen[bytes]) -> int | None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return proc.wait(_POLL_S)
+    return None
+
+
+def _overdue(stopping: Stopping | None, deadline: float | None, failure_grace_s: float,
+             timeout: float | None) -> tuple[int, str] | None:
+    """(exit code, message) when the job must be killed now, else None."""
+    now = time.monotonic()
+    if deadline is not None and now >= deadline:
+        return TIMEOUT_EXIT, f"timeout after {timeout:g}s: killing the job"
+    if stopping is not None and now - stopping.seen_at >= failure_grace_s:
+        return stopping.exit_code or 1, (
+            f"rank {stopping.rank} stopped the job (exit {stopping.exit_code}) "
+            f"{now - stopping.seen_at:.0f} s ago, but the runner has not returned: killing it")
+    return None
+
+
+def say(text: str) -> None:
+    print(f"asynclock-launch: {text}", file=sys.stderr, flush=True)
