@@ -9,12 +9,17 @@ passed and the runner is still running `failure_grace_s` later, the whole
 process group is killed and the launch returns the rank's exit code N. A
 `timeout` bounds the job whatever happens (exit 124).
 
+Any runner command line can be watched this way:
+
+    python -m asynclock.jobwatch --failure-grace 10 -- mpiexec -n 4 -f hosts python train.py
+
 The runner runs in its own session, so one `killpg` reaches every local
 rank and proxy; Ctrl-C and SIGTERM are passed on to that group.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -165,3 +170,21 @@ def _overdue(stopping: Stopping | None, deadline: float | None, failure_grace_s:
 
 def say(text: str) -> None:
     print(f"asynclock-launch: {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m asynclock.jobwatch [--timeout S] [--failure-grace S] -- CMD...`"""
+    p = argparse.ArgumentParser(prog="python -m asynclock.jobwatch",
+                                description="run a launcher command; end it as a whole")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--failure-grace", type=float, default=FAILURE_GRACE_S)
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("give the runner's command line after --")
+    return run_job(cmd, None, timeout=args.timeout, failure_grace_s=args.failure_grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

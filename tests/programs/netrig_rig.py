@@ -255,11 +255,15 @@ class Rig:
         return [str(self.netrig), "mpiexec", "-n", str(nranks), "-ppn", "1", *argv]
 
     def start(self, kind: str, nranks: int, argv: Sequence[str],
-              env: Mapping[str, str] | None = None) -> LiveJob:
+              env: Mapping[str, str] | None = None,
+              failure_grace: float | None = None) -> LiveJob:
         """Start `argv` (e.g. [python, prog.py, ...]) on `nranks` hosts."""
         if nranks > len(self.hosts):
             raise ValueError(f"{nranks} ranks need {nranks} hosts; the rig has {self.hosts}")
         cmd = self.launch_argv(kind, nranks, argv)
+        if failure_grace is not None:  # the runner under asynclock's job watch
+            cmd = [sys.executable, "-m", "asynclock.jobwatch", "--failure-grace",
+                   str(failure_grace), "--", *cmd]
         return LiveJob(cmd, self.environ(kind, env))
 
     def run_on(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
