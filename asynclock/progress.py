@@ -203,6 +203,10 @@ class Engine:
         """Poll until cancelled; the task group of `start()` owns this task."""
         self._call_soon = loop_caller()
         self._waiter = _WaitThread(self._poke)
+        if self.on_event is None:  # ASYNCLOCK_TIMELINE alone switches recording on
+            from . import timeline
+
+            timeline.attach(self)
         self.running = True
         task_status.started()
         try:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -321,3 +322,27 @@ def test_import_asynclock_stays_light() -> None:
             "heavy = {'matplotlib', 'torch', 'tqdm'} & set(sys.modules)\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("gated", [False, True])
+def test_horovod_script_is_traced_by_the_switch_alone(tmp_path: Path, gated: bool) -> None:
+    """ASYNCLOCK_TIMELINE (via --timeline) records a Horovod-style script's forward,
+    backward window, bucket pack/unpack, optimizer and gradient allreduces."""
+    prefix = tmp_path / "hvd"
+    job = launch("-n", "2", "--timeout", "150", "--timeline", str(prefix),
+                 str(PROGRAMS / "timeline_torch.py"), *(["--gated"] if gated else []))
+    text = job.stdout + job.stderr
+    assert job.returncode == 0, text
+    events = json.loads(Path(f"{prefix}.json").read_text())["traceEvents"]
+    for pid in (0, 1):
+        mine = [e for e in events if e.get("pid") == pid]
+        slices = Counter(e["name"] for e in mine if e["ph"] == "X")
+        assert slices["forward"] >= 4 and slices["optimizer"] >= 4, slices
+        assert slices["pack"] >= 4 * 4 and slices["unpack"] >= 4, slices  # 4 params, 4 steps
+        opened = Counter(e["name"] for e in mine if e["ph"] == "b")
+        assert opened["backward"] == 4, opened
+        grads = [e for e in mine if e["ph"] == "b" and e["args"].get("lane") == "grad"]
+        assert grads, "no gradient-lane collective recorded"
+        begun = {json.dumps(e["id2"]) for e in mine if e["ph"] == "b"}
+        assert begun == {json.dumps(e["id2"]) for e in mine if e["ph"] == "e"}, "unclosed slice"

@@ -62,6 +62,7 @@ from .params import (
 )
 from .reducer import quiesce_all, stop_workers
 from .step import TrainStep, TrainStepStatistics, train_step
+from .tracing import trace_module
 
 Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError for it
 
@@ -130,5 +131,5 @@ __all__ = [
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "quiesce_all", "reducescatter", "rocm_built", "shutdown", "size", "synchronize",
-    "train_step", "training_policy",
+    "trace_module", "train_step", "training_policy",
 ]

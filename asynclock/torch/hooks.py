@@ -21,6 +21,7 @@ import torch
 from .registry import ParamRegistry
 from .run import StepRun
 from .storage import GradStorage
+from .tracing import RoundTrace, pack_span
 
 TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call "
             "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
@@ -34,6 +35,7 @@ class Bucketer:
         self.registry, self.storage = registry, storage
         self._new_run, self._notify = new_run, notify
         self._lock = threading.Lock()
+        self.trace = RoundTrace()  # the backward window, for the timeline
         self._run: StepRun | None = None
         self.scale = 1.0
         self.no_sync_depth = 0
@@ -88,11 +90,13 @@ class Bucketer:
         if not final:
             run.storage.accumulate(i)
             return
-        run.storage.pack(i, self.scale)
+        with pack_span(i):
+            run.storage.pack(i, self.scale)
         self._arrived(run, [i])
 
     def _begin(self) -> StepRun:
         self._run = self._new_run()
+        self.trace.opened(self._run.number)
         return self._run
 
     def _arrived(self, run: StepRun, params: list[int]) -> None:

@@ -29,6 +29,7 @@ from .gate import ForwardGate
 from .link import sync_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
+from .tracing import step_span, trace_module
 
 ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
                   "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
@@ -58,6 +59,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._gate = None if gate_model is None else ForwardGate(
             gate_model, registry, self._reducer.updates)
+        self._traced = [] if gate_model is None else trace_module(gate_model)
         if gate_model is not None:
             self._reducer.bucketer.before = lambda i: self._reducer.updates.ensure((i,))
         try:
@@ -67,17 +69,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise
 
     def _remove_hooks(self) -> None:
+        for handle in self._traced:
+            handle.remove()
         self._reducer.remove()
         if self._gate is not None:
             self._gate.remove()
 
     # -- applying updates (called by the reducer) --------------------------------------
     def _step_params(self, params: Params) -> None:
-        if len(params) == len(self._reducer.registry.params):
-            self._base_class.step(self)
-            return
-        with only(self, params):
-            self._base_class.step(self)
+        with step_span():
+            if len(params) == len(self._reducer.registry.params):
+                self._base_class.step(self)
+                return
+            with only(self, params):
+                self._base_class.step(self)
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
         with only(self, params):
@@ -108,7 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         mode = Finish.WHOLE if closure is not None else self._mode
         if mode is Finish.WHOLE:
             self._reducer.synchronize()
-            return self._base_class.step(self, closure)
+            with step_span():
+                return self._base_class.step(self, closure)
         self._reducer.finish(self._reducer.close_round(), mode)
         return None
 

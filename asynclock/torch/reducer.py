@@ -44,6 +44,7 @@ from .run import StepRun
 from .scheduler import Scheduler
 from .shm import SharedArena, ShmTransport, eligible
 from .storage import GradStorage
+from .tracing import unpack_span
 
 log = logging.getLogger("asynclock.torch")
 MiB = 1 << 20
@@ -205,6 +206,7 @@ class Reducer:
             raise self.broken
         self.updates.flush()  # a deferred update must land before its gradient is reused
         run = self.bucketer.close()
+        self.bucketer.trace.closed()
         self._previous = run
         return run
 
@@ -264,7 +266,8 @@ class Reducer:
         if error is not None:
             self.broken = error
             raise error
-        run.storage.unpack(k, 1.0 if run.transport is not None else self.post)
+        with unpack_span(k):
+            run.storage.unpack(k, 1.0 if run.transport is not None else self.post)
         run.unpacked[k] = True
         for i in run.plan.buckets[k].params:
             run.buckets_left[i] -= 1
