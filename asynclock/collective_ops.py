@@ -48,6 +48,7 @@ class AllreduceOp(Operation):
         super().__init__(lane, call)
         self.buf, self.out, self.op = buf, out, op
         self.work: Array | None = None
+        self.halved = False  # reduced 16-bit on the wire (ring)
 
     def fill_inline(self, slot: Array) -> None:
         if self.buf.array.nbytes <= INLINE_BYTES:
@@ -61,14 +62,28 @@ class AllreduceOp(Operation):
             return []
         self.stage_bytes = a.nbytes
         if self.buf.code in HALF_CODES:
-            self.work = np.ascontiguousarray(to_compute(a, self.buf.code), np.float32)
-            return [lambda t: t.iallreduce(None, self.work, self.op)]
+            return [self._half_stage]
         send = None if self.out is a else a
         return [lambda t: t.iallreduce(send, self.out, self.op)]
 
+    def _half_stage(self, t: Any) -> Any:
+        """16-bit data: on a bulk MPI channel a sum stays 16-bit on the wire (ring);
+        elsewhere it is widened to float32, the only float MPI can add."""
+        a, code = self.buf.array, self.buf.code
+        ring = getattr(t, "iallreduce_half", None)
+        if ring is not None and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            if self.out is not a:
+                self.out[...] = a
+            self.halved = True
+            return ring(self.out, code)
+        self.work = np.ascontiguousarray(to_compute(a, code), np.float32)
+        return t.iallreduce(None, self.work, self.op)
+
     def finish(self) -> Any:
         code, a = self.buf.code, self.buf.array
-        if a.nbytes > INLINE_BYTES:
+        if self.halved and self.op is ReduceOp.AVERAGE:
+            from_compute(to_compute(self.out, code) / np.float32(self.lane.size), code, self.out)
+        elif a.nbytes > INLINE_BYTES:
             target = self.work if self.work is not None else self.out
             if self.op is ReduceOp.AVERAGE:
                 finish_average_inplace(target, code, self.lane.size)

@@ -73,6 +73,8 @@ def parse() -> argparse.Namespace:
     add("--models", default="mlp,cnn")
     add("--windows", type=int, default=7, help="bench/train.py --windows")
     add("--steps", type=int, default=6, help="bench/train.py --steps")
+    add("--compression", choices=("none", "fp16"), default="none",
+        help="train: gradient compression for Horovod and asynclock")
     add("--sizes", default=None, help="bench/collectives.py --sizes")
     add("--job-timeout", type=float, default=900.0, help="seconds per launcher run")
     add("--repeats", type=int, default=3, help="faults: runs per case")
@@ -84,7 +86,8 @@ def parse() -> argparse.Namespace:
 # -- which runs ------------------------------------------------------------------------------
 def specs(args: argparse.Namespace) -> list[Spec]:
     out: list[Spec] = []
-    train = ("--models", args.models, "--windows", str(args.windows), "--steps", str(args.steps))
+    train = ("--models", args.models, "--windows", str(args.windows), "--steps", str(args.steps),
+             "--compression", args.compression)
     for mpi in args.mpis.split(","):
         if "train" in args.what:
             out += train_specs(mpi, train)

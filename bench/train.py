@@ -57,6 +57,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=7)
     p.add_argument("--steps", type=int, default=6, help="steps per timed window")
     p.add_argument("--bucket-mb", type=float, default=None, help="asynclock bucket cap")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none",
+                   help="gradient compression for Horovod and asynclock (DDP: none)")
     p.add_argument("--link", default=None,
                    help="label of the network between hosts (e.g. 5gbit); stored in the JSON")
     return p.parse_args()
@@ -136,7 +138,9 @@ def horovod(t: Trainer, args: argparse.Namespace) -> Step:
     global _HVD
     if _HVD is None:
         _HVD = _load_horovod()
-    t.opt = _HVD.DistributedOptimizer(t.opt, named_parameters=t.model.named_parameters())
+    compression = getattr(_HVD.Compression, args.compression)
+    t.opt = _HVD.DistributedOptimizer(t.opt, named_parameters=t.model.named_parameters(),
+                                      compression=compression)
     return t.plain_step
 
 
@@ -184,6 +188,8 @@ def asynclock_opt(t: Trainer, args: argparse.Namespace, shm: bool = True, **kw: 
     import asynclock.torch as alk
 
     alk.init()
+    if args.compression != "none":
+        kw["compression"] = getattr(alk.Compression, args.compression)
     t.opt = alk.DistributedOptimizer(t.opt, named_parameters=t.model.named_parameters(),
                                      tuning=tuning(args, shm), **kw)
     return t.plain_step

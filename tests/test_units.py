@@ -104,3 +104,15 @@ def test_reduce_op_aliases() -> None:
     assert as_reduce_op(ReduceOp.MAX) is ReduceOp.MAX
     with pytest.raises(ValueError, match="unknown reduce op"):
         as_reduce_op("median")
+
+
+def test_ring_chunk_bounds_cover_every_element_once() -> None:
+    from asynclock.backends.ring import chunk_bounds
+
+    assert chunk_bounds(10, 3) == [0, 4, 7, 10]
+    assert chunk_bounds(2, 3) == [0, 1, 2, 2]  # an empty chunk is fine
+    for n, size in ((0, 2), (1, 1), (700_001, 7)):
+        b = chunk_bounds(n, size)
+        assert b[0] == 0 and b[-1] == n and len(b) == size + 1
+        assert max(b[i + 1] - b[i] for i in range(size)) - min(
+            b[i + 1] - b[i] for i in range(size)) <= 1

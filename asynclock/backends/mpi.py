@@ -9,6 +9,7 @@ import numpy as np
 
 from ..ops import ReduceOp
 from .base import Array, Deferred, Request
+from .ring import ring_allreduce_half
 
 
 def _mpi() -> Any:
@@ -176,6 +177,10 @@ class BulkChannel:
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         src = _mpi().IN_PLACE if send is None else send
         return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
+
+    def iallreduce_half(self, data: Array, code: int) -> Request:
+        """Sum 16-bit floats in place, 16-bit on the wire (see `ring`)."""
+        return Deferred(lambda: ring_allreduce_half(self._c, data, code))
 
     def ibcast(self, buf: Array, root: int) -> Request:
         return Deferred(lambda: self._c.Bcast(_bytes(buf), root))

@@ -53,6 +53,32 @@ async def check_allreduce(c: asynclock.Coordinator) -> int:
     return count
 
 
+async def check_half_bulk(c: asynclock.Coordinator) -> int:
+    """16-bit floats past the bulk threshold (1 MiB): on MPI they are summed by a
+    16-bit ring (one rounding per add); every rank must hold the same bits."""
+    count = 0
+    n = 700_000  # 1.4 MB of 16-bit values
+    for dtype in (torch.float16, torch.bfloat16):
+        for op in ("sum", "average"):
+            exact = await c.allreduce(contribution(c.rank, n, dtype), op)
+            assert torch.equal(exact, reference(op, n, dtype, c.size)), f"{op} {dtype} small ints"
+            gen = torch.Generator().manual_seed(c.rank)
+            mine = torch.randn(n, generator=gen).to(dtype)
+            got = await c.allreduce(mine, op)
+            rows = torch.stack([torch.randn(n, generator=torch.Generator().manual_seed(r))
+                                .to(dtype).double() for r in range(c.size)])
+            want = rows.sum(0) / (c.size if op == "average" else 1)
+            ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+            err = (got.double() - want).abs() / (want.abs() + 1.0)
+            assert err.max() <= 2 * (c.size - 1) * ulp, f"{op} {dtype}: max rel err {err.max()}"
+            everyone = await c.allgather_object(got.view(torch.int16).numpy().tobytes())
+            assert all(b == everyone[0] for b in everyone), f"{op} {dtype}: ranks differ"
+            inplace = mine.clone()
+            assert torch.equal(await c.allreduce_(inplace, op), got), f"{op} {dtype} in place"
+            count += 4
+    return count
+
+
 async def check_numpy(c: asynclock.Coordinator) -> int:
     for n in (3, 100_000):
         a = np.full(n, c.rank + 1, np.float32)
@@ -154,7 +180,7 @@ async def main() -> None:
         assert want in (None, c.backend.name), f"backend {c.backend.describe()}, want {want}"
         report(c.rank, "backend", c.backend.describe())
         total = 0
-        for check in (check_allreduce, check_numpy, check_broadcast, check_allgather,
+        for check in (check_allreduce, check_half_bulk, check_numpy, check_broadcast, check_allgather,
                       check_reduce_scatter_alltoall, check_objects_and_barrier,
                       check_many_in_flight):
             total += await check(c)
