@@ -71,7 +71,8 @@ class AllreduceOp(Operation):
         elsewhere it is widened to float32, the only float MPI can add."""
         a, code = self.buf.array, self.buf.code
         ring = getattr(t, "iallreduce_half", None)
-        if ring is not None and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        native = code in getattr(t, "half_codes", ())
+        if ring is not None and native and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE):
             if self.out is not a:
                 self.out[...] = a
             self.halved = True

@@ -8,6 +8,7 @@ large-message path does (it upcasts before MPI, which has no half types).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,25 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minim
 Array = np.ndarray[Any, Any]
 
 
+_TORCH_MIN = 4096  # below this numpy's casts are cheaper than crossing into torch
+
+
+def _torch_half(code: int) -> Any:
+    """torch and its 16-bit dtype for `code`, if the program already imported torch:
+    its half casts use SIMD and are ~40x faster than numpy's float16 casts."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, None
+    return torch, torch.bfloat16 if code == BFLOAT16 else torch.float16
+
+
 def to_compute(arr: Array, code: int) -> Array:
     """View or convert raw storage to an array numpy can do arithmetic on."""
+    if code in HALF and arr.size >= _TORCH_MIN and arr.flags.c_contiguous:
+        torch, dtype = _torch_half(code)
+        if torch is not None:
+            out: Array = torch.from_numpy(arr.view(np.int16)).view(dtype).float().numpy()
+            return out
     if code == BFLOAT16:
         return (arr.astype(np.uint32) << 16).view(np.float32)
     if code == FLOAT16:
@@ -34,6 +52,12 @@ def to_compute(arr: Array, code: int) -> Array:
 
 def from_compute(arr: Array, code: int, out: Array) -> None:
     """Store compute-precision values into raw storage `out` (RNE rounding)."""
+    if code in HALF and out.size >= _TORCH_MIN and out.flags.c_contiguous:
+        torch, dtype = _torch_half(code)
+        if torch is not None:
+            src = torch.from_numpy(np.ascontiguousarray(arr, np.float32)).reshape(out.shape)
+            torch.from_numpy(out.view(np.int16)).view(dtype).copy_(src)
+            return
     if code == BFLOAT16:
         bits = arr.astype(np.float32).view(np.uint32)
         rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))

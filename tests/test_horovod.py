@@ -211,3 +211,14 @@ def test_sync_primitives_under_horovodrun_gloo(tmp_path: Path) -> None:
     labels_ok(job, 2, ["condition_notify", "condition_wait_for", "condition_cancel", "event",
                        "event_timeout_cancel", "sequential", "sequential_cancel",
                        "consistency_point", "consistency_mismatch"])
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_collectives_matrix_on_horovod() -> None:
+    """Every collective x dtype x op with data stages on Horovod's handles; float16
+    past the bulk threshold is summed by Horovod itself (16-bit on the wire)."""
+    kind = need_horovod()
+    job = run_job("collectives_matrix.py", 2, "--expect-backend", "horovod", timeout=240,
+                  kind=kind, env=HVD_ENV)
+    labels_ok(job, 2, ["check_allreduce", "check_half_bulk", "check_broadcast", "done"])

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError
-from ..ops import ReduceOp
+from ..ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request
 from .mailbox import AGREE, DATA, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
@@ -199,6 +199,16 @@ class HorovodChannel:
         finish = None if work is recv else (lambda _: np.copyto(recv, work, casting="unsafe"))
         return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
             t, name=n, op=_hvd_op(op)), finish)
+
+    half_codes = frozenset({DTYPE_CODES["float16"]})  # Horovod sums float16 itself
+
+    def iallreduce_half(self, data: Array, code: int) -> Request:
+        """float16 stays float16 on the wire: Horovod's own half allreduce."""
+        import torch
+
+        t = _tensor(data.view(np.int16)).view(torch.float16)
+        return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
+            t, name=n, op=h.Sum))
 
     def ibcast(self, buf: Array, root: int) -> Request:
         t = _tensor(_raw(buf))

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import ReduceOp
+from ..ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request
 from .ring import ring_allreduce_half
 
@@ -177,6 +177,8 @@ class BulkChannel:
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         src = _mpi().IN_PLACE if send is None else send
         return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
+
+    half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
 
     def iallreduce_half(self, data: Array, code: int) -> Request:
         """Sum 16-bit floats in place, 16-bit on the wire (see `ring`)."""
