@@ -105,7 +105,11 @@ class Systems:
 
     def make(self, nbytes: int) -> dict[str, Callable[[], Awaitable[Any]]]:
         n = max(1, nbytes // 4)
-        arr = np.zeros(n, np.float32)
+        # Every system reduces torch-allocated memory, as training does: numpy asks
+        # for huge pages on big arrays and torch does not, which alone moves a
+        # 64 MiB allreduce by ~15% here, so mixing the two would not compare like
+        # with like.
+        arr = torch.zeros(n).numpy()
         t = torch.zeros(n)
         out: dict[str, Callable[[], Awaitable[Any]]] = {
             "mpi4py": sync_as_async(lambda: WORLD.Allreduce(MPI.IN_PLACE, arr)),
