@@ -40,12 +40,16 @@ def training_policy() -> ProgressPolicy:
     The default polls tightly for 2 ms after every bit of progress; with
     dozens of bucket operations per step on one core per rank, that spinning
     measurably slows backward (bench/train.py: ~15 ms of CPU per MLP step).
-    200 µs keeps small-message latency low and gives the core back.
-    ASYNCLOCK_BUSY_US still wins when set.
+    200 µs keeps small-message latency low and gives the core back; for
+    the same reason the spin after each issue stays at 50 µs (a bucket's
+    header waits for the slowest rank's backward, often for milliseconds).
+    ASYNCLOCK_BUSY_US and ASYNCLOCK_SPIN_US still win when set.
     """
     policy = ProgressPolicy.from_env()
     if "ASYNCLOCK_BUSY_US" not in os.environ:
         policy = replace(policy, busy_s=2e-4)
+    if "ASYNCLOCK_SPIN_US" not in os.environ:
+        policy = replace(policy, spin_s=5e-5)
     return policy
 
 
