@@ -149,3 +149,42 @@ def test_storage_direct_views_and_staged_casts() -> None:
     model.weight.grad.zero_()
     staged.unpack(0, 1.0)
     assert torch.allclose(model.weight.grad, want[0], rtol=1e-2)
+
+
+class _FailedRun:
+    """The parts of a StepRun the shared-memory transport reads."""
+
+    def __init__(self, plan, released: list) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        self.number, self.generation, self.plan = 1, 0, plan
+        self.size = len(plan.buckets)
+        self.done = [threading.Event() for _ in plan.buckets]
+        self.release = released.append
+
+
+def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
+    """Regression (CI, shm mismatch test): a bucket packed after its round failed
+    started a fresh round, whose stage op only this rank issued."""
+    from asynclock.backends.local import LocalBackend
+    from asynclock.errors import MismatchError
+    from asynclock.operation import Lane
+    from asynclock.progress import Engine
+    from asynclock.torch.shm import ShmTransport, _Round
+
+    plan = build_plan([1, 0], specs(16, 16), Caps(bucket_bytes=64, first_bucket_bytes=64))
+    engine, lane = Engine(), Lane(LocalBackend().channel("grad"))
+    engine.lanes.append(lane)
+    transport = ShmTransport(engine, lane, None, plan, {}, 1.0, lambda fn: fn())
+    try:
+        released: list = []
+        run, finished = _FailedRun(plan, released), []
+        rnd = transport._rounds[run.number] = _Round(run, lambda k, e: finished.append((k, e)))
+        err = MismatchError("mismatched buckets")
+        transport._fail(rnd, err)
+        assert sorted(finished) == [(0, err), (1, err)] and released == [err]
+        seq = lane.seq
+        transport.launch(run, plan.launch[1], rnd.done)  # packed late, after the failure
+        assert lane.seq == seq and not engine.inflight, "a lone stage op was issued"
+    finally:
+        transport.close()
