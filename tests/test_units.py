@@ -116,3 +116,36 @@ def test_ring_chunk_bounds_cover_every_element_once() -> None:
         assert b[0] == 0 and b[-1] == n and len(b) == size + 1
         assert max(b[i + 1] - b[i] for i in range(size)) - min(
             b[i + 1] - b[i] for i in range(size)) <= 1
+
+
+def test_wait_thread_holds_no_buffer_once_idle_and_is_joined() -> None:
+    """Regression (CI: 'terminate called without an active exception' at exit): the
+    wait thread kept its last op, so the last tensor could be freed by a daemon
+    thread during interpreter shutdown. Idle, it must hold nothing; stopped, it
+    must be gone."""
+    import gc
+    import threading
+    import weakref
+
+    import anyio
+
+    from asynclock.runtime import Coordinator, make_backend
+
+    async def main() -> tuple[weakref.ref[torch.Tensor], int]:
+        coord = Coordinator(make_backend("local"))
+        async with coord.running():
+            big = torch.ones(1 << 19)  # 2 MiB: a data stage for the wait thread
+            await coord.allreduce_(big)
+            assert coord.engine.statistics().thread_waits >= 1
+            ref = weakref.ref(big)
+            del big
+            for _ in range(20):
+                await anyio.sleep(0.005)
+            gc.collect()
+            alive = ref() is not None
+        coord.shutdown()
+        return ref, alive
+
+    ref, alive_while_running = anyio.run(main)
+    assert not alive_while_running, "the idle wait thread still references the last buffer"
+    assert not [t for t in threading.enumerate() if t.name == "asynclock-wait"]
