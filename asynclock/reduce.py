@@ -27,7 +27,7 @@ Array = np.ndarray[Any, Any]
 _TORCH_MIN = 4096  # below this numpy's casts are cheaper than crossing into torch
 
 
-def _torch_half(code: int) -> Any:
+def torch_half(code: int) -> Any:
     """torch and its 16-bit dtype for `code`, if the program already imported torch:
     its half casts use SIMD and are ~40x faster than numpy's float16 casts."""
     torch = sys.modules.get("torch")
@@ -39,7 +39,7 @@ def _torch_half(code: int) -> Any:
 def to_compute(arr: Array, code: int) -> Array:
     """View or convert raw storage to an array numpy can do arithmetic on."""
     if code in HALF and arr.size >= _TORCH_MIN and arr.flags.c_contiguous:
-        torch, dtype = _torch_half(code)
+        torch, dtype = torch_half(code)
         if torch is not None:
             out: Array = torch.from_numpy(arr.view(np.int16)).view(dtype).float().numpy()
             return out
@@ -53,7 +53,7 @@ def to_compute(arr: Array, code: int) -> Array:
 def from_compute(arr: Array, code: int, out: Array) -> None:
     """Store compute-precision values into raw storage `out` (RNE rounding)."""
     if code in HALF and out.size >= _TORCH_MIN and out.flags.c_contiguous:
-        torch, dtype = _torch_half(code)
+        torch, dtype = torch_half(code)
         if torch is not None:
             src = torch.from_numpy(np.ascontiguousarray(arr, np.float32)).reshape(out.shape)
             torch.from_numpy(out.view(np.int16)).view(dtype).copy_(src)

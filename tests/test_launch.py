@@ -171,6 +171,16 @@ def _processes_with(token: str) -> list[int]:
     return found
 
 
+def _wait_gone(token: str) -> list[int]:
+    """Processes still carrying `token` after up to 5 s (SIGKILLed ones need a
+    moment to be reaped)."""
+    for _ in range(50):
+        if not _processes_with(token):
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    return _processes_with(token)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", KINDS)
 def test_timeout_kills_the_whole_job(kind: str) -> None:
@@ -179,19 +189,7 @@ def test_timeout_kills_the_whole_job(kind: str) -> None:
     assert done.returncode == launch.TIMEOUT_EXIT, explain(done)
     assert "[0] hanging 0" in done.stdout and "[1] hanging 1" in done.stdout, explain(done)
     assert "timeout after 20s" in done.stderr
-    deadline = 50
-    while _processes_with(token) and deadline:  # SIGKILLed; give the kernel a moment to reap
-        deadline -= 1
-        subprocess.run(["sleep", "0.1"], check=True)
-    assert not _processes_with(token)
-
-
-def _wait_gone(token: str) -> list[int]:
-    for _ in range(50):  # SIGKILLed; give the kernel a moment to reap
-        if not _processes_with(token):
-            break
-        subprocess.run(["sleep", "0.1"], check=True)
-    return _processes_with(token)
+    assert not _wait_gone(token)
 
 
 @pytest.mark.mpi

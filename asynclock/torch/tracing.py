@@ -22,7 +22,7 @@ from .. import timeline
 def trace_module(model: torch.nn.Module, name: str = "forward") -> list[Any]:
     """Record each call of `model` as a compute slice; returns the hook handles.
 
-    `asynclock.torch.DistributedOptimizer(..., model=model)` does this for
+    `asynclock.torch.DistributedOptimizer(..., gate_forward=model)` does this for
     you; call it directly for a model the optimizer does not know.
     """
     starts: list[float] = []
