@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import anyio.lowlevel
 import numpy as np
 
 from . import collective_ops as ops
@@ -21,13 +22,15 @@ from .ops import Kind, ReduceOp, as_reduce_op
 from .progress import Engine
 from .staging import submit
 from .tensors import Buffer, InputFault, InputRejected, as_buffer, empty_like_code
+from .tiny import NOT_TINY, YIELD_MASK, TinyAllreduce
 
 
 class Collectives:
-    """Mixin: needs `_engine`, `_lane` (user channel) and `_check_open()`."""
+    """Mixin: needs `_engine`, `_lane` (user channel), `_tiny` and `_check_open()`."""
 
     _engine: Engine
     _lane: Lane
+    _tiny: TinyAllreduce
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -58,11 +61,21 @@ class Collectives:
         call = Call(kind, self._lane.next_seq(), name=name or "", fault=int(fault), **kw)
         submit(self._engine, self._lane, Operation(self._lane, call))
 
+    def _reduce_op(self, op: ReduceOp | str, name: str | None,
+                   kind: Kind = Kind.ALLREDUCE) -> ReduceOp:
+        """An unknown op name is bad input: the other ranks hear of it and fail too."""
+        try:
+            return as_reduce_op(op)
+        except ValueError as exc:
+            self._check_open()
+            self._announce_fault(kind, name, InputFault.BAD_ARGUMENT)
+            raise InputRejected(InputFault.BAD_ARGUMENT, str(exc)) from None
+
     # -- allreduce -------------------------------------------------------------
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Handle:
         """Start an out-of-place allreduce; `await` the handle for the result."""
-        rop = as_reduce_op(op)
+        rop = self._reduce_op(op, name)
         buf = self._buffer(Kind.ALLREDUCE, tensor, name, op=int(rop))
         out = empty_like_code(buf.code, buf.array.size)
         return self._submit(ops.AllreduceOp(self._lane, self._call(
@@ -71,7 +84,7 @@ class Collectives:
     def allreduce_async_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Handle:
         """Start an in-place allreduce; the handle resolves to `tensor` itself."""
-        rop = as_reduce_op(op)
+        rop = self._reduce_op(op, name)
         buf = self._buffer(Kind.ALLREDUCE, tensor, name, writable=True, op=int(rop))
         return self._submit(ops.AllreduceOp(self._lane, self._call(
             Kind.ALLREDUCE, name, buf, op=int(rop)), buf, buf.array, rop))
@@ -79,12 +92,31 @@ class Collectives:
     async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Any:
         """Reduce `tensor` across ranks into a new tensor."""
-        return await self.allreduce_async(tensor, op, name=name)
+        result = await self._allreduce_tiny(tensor, op, name, False)
+        if result is NOT_TINY:
+            return await self.allreduce_async(tensor, op, name=name)
+        return result
 
     async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Any:
         """Reduce `tensor` across ranks in place and return it."""
-        return await self.allreduce_async_(tensor, op, name=name)
+        result = await self._allreduce_tiny(tensor, op, name, True)
+        if result is NOT_TINY:
+            return await self.allreduce_async_(tensor, op, name=name)
+        return result
+
+    async def _allreduce_tiny(self, tensor: Any, op: ReduceOp | str, name: str | None,
+                              inplace: bool) -> Any:
+        """Small inputs finish inside one call (`asynclock.tiny`); else NOT_TINY."""
+        tiny = self._tiny
+        tiny.calls += 1
+        if not tiny.calls & YIELD_MASK:
+            await anyio.lowlevel.checkpoint()  # before issuing: a cancel here loses nothing
+        self._check_open()
+        result = tiny.allreduce(tensor, op, name, inplace)
+        if type(result) is Handle:
+            return await result
+        return result
 
     # -- broadcast -------------------------------------------------------------
     def broadcast_async(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:
@@ -133,7 +165,7 @@ class Collectives:
     def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
                              name: str | None = None) -> Handle:
         """Start reduce-then-scatter along dim 0 (Horovod's split: first ranks larger)."""
-        rop = as_reduce_op(op)
+        rop = self._reduce_op(op, name, Kind.REDUCE_SCATTER)
         buf = self._buffer(Kind.REDUCE_SCATTER, tensor, name, op=int(rop))
         return self._submit(ops.ReduceScatterOp(self._lane, self._call(
             Kind.REDUCE_SCATTER, name, buf, op=int(rop)), buf, rop))

@@ -139,6 +139,9 @@ def mismatch_text(rows: np.ndarray[Any, Any]) -> str:
     return f"mismatched collective across ranks: {body}"
 
 
+_OP_CODES = frozenset(int(op) for op in ReduceOp)
+
+
 def _ranks(rs: list[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
 
@@ -150,7 +153,8 @@ def _describe(row: np.ndarray[Any, Any]) -> str:
     kind = Kind(int(row[W_KIND]))
     text = f"#{int(row[W_SEQ])} {kind.name.lower()}"
     if kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER):
-        text += f"({ReduceOp(int(row[W_OP])).name.lower()})"
+        op = int(row[W_OP])  # 0 in the header of a rank that rejected its op
+        text += f"({ReduceOp(op).name.lower() if op in _OP_CODES else '?'})"
     if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
         text += f"(root={int(row[W_ROOT])})"
     if int(row[W_DTYPE]):

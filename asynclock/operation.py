@@ -94,6 +94,11 @@ class Operation:
         self.request = lane.transport.iallgather_slots(send, self._recv)
         lane.queue.append(self)
 
+    def resume_header(self, request: Request, recv: np.ndarray[Any, Any]) -> None:
+        """Own a header round that `asynclock.tiny` started from its own buffers."""
+        self.request, self._recv = request, recv
+        self.lane.queue.append(self)
+
     def poll(self) -> bool:
         """Test the outstanding request; advance and return True if it finished."""
         req = self.request

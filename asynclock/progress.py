@@ -129,6 +129,18 @@ class Engine:
         self._begin(op)
         return self._adopt(op, op.poll())
 
+    def count_synchronous(self, issued_at: float) -> None:
+        """Account for an op that issued and finished inside one call (`asynclock.tiny`)."""
+        self._issued += 1
+        self._completed += 1
+        self._last_progress = issued_at
+
+    def adopt_issued(self, op: Operation, issued_at: float) -> None:
+        """Take over an op whose first round was started outside `submit` (`asynclock.tiny`)."""
+        op.issued_at = self._last_progress = issued_at
+        self._issued += 1
+        self._adopt(op, False)
+
     def _begin(self, op: Operation) -> None:
         """Refuse after a fatal failure; stamp and count the op."""
         if self.failure is not None:

@@ -173,6 +173,12 @@ def submit(engine: Engine, lane: Lane, op: Operation) -> Operation:
     return submit_after(engine, lane, op, event)
 
 
+def held_lanes() -> dict[Lane, LaneGate]:
+    """The lanes whose operations wait for CUDA copies (later ones queue behind);
+    the live mapping, so a fast path can test `lane in held` without a call."""
+    return _GATES
+
+
 def submit_after(engine: Engine, lane: Lane, op: Operation, event: Any) -> Operation:
     """Submit `op` once `event` (anything with `query()`, or None) completed.
 

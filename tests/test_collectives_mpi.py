@@ -40,7 +40,7 @@ def test_bad_input_errors_on_every_rank(nranks: int) -> None:
     assert_all_ok(job, nranks)
     labels = ["dtype_unsupported", "root", "not_tensor", "after_shutdown", "not_initialized"]
     if nranks > 1:
-        labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "kind", "name", "device"]
+        labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "op_name", "kind", "name", "device"]
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 
@@ -79,3 +79,25 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
     for label in ("backend", "check_allreduce", "check_broadcast", "check_allgather",
                   "check_reduce_scatter_alltoall", "check_many_in_flight"):
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
+
+
+TINY_LABELS = ("mixed_paths", "changed_tensor", "yields")
+
+
+@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
+def test_small_allreduce_path(nranks: int, loop: str) -> None:
+    """asynclock.tiny: agrees with the general path, hands off, follows changed tensors."""
+    job = run_job("tiny_allreduce.py", nranks, *(["--trio"] if loop == "trio" else []),
+                  timeout=120)
+    assert_all_ok(job, nranks)
+    labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off")
+                            if nranks > 1 else ())
+    for label in labels:
+        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_small_allreduce_path_other_mpi(kind: str) -> None:
+    job = run_job("tiny_allreduce.py", 2, timeout=120, kind=kind)
+    assert_all_ok(job, 2)
+    assert job.ok_lines("cancel_after_hand_off") == {0, 1}, job.explain()

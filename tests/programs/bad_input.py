@@ -50,6 +50,10 @@ async def main() -> None:
             op = "max" if c.rank == 0 else "sum"
             await expect(c, "op", lambda: c.allreduce(torch.ones(2), op), MismatchError,
                          MismatchError, all_ranks, "allreduce(max)", "allreduce(sum)")
+            bogus = "bogus" if c.rank == last else "sum"
+            await expect(c, "op_name", lambda: c.allreduce(torch.ones(2), bogus),
+                         InvalidInputError, RemoteInputError, {last}, f"rank {last}",
+                         "invalid argument")
             kind = (lambda: c.broadcast(torch.ones(2))) if c.rank == 0 else (
                 lambda: c.allreduce(torch.ones(2)))
             await expect(c, "kind", kind, MismatchError, MismatchError, all_ranks,

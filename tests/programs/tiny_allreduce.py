@@ -1,0 +1,145 @@
+"""The small-allreduce path (`asynclock.tiny`): same wire bytes as the general
+path, hand-off to the engine when a rank is late, and what it caches.
+
+Every rank runs the same sequence; each check reports its label.
+"""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import torch
+from _common import report, run
+
+import asynclock
+from asynclock import InvalidInputError, MismatchError
+
+
+def tri(size: int) -> float:
+    return float(size * (size - 1) // 2)
+
+
+async def check_mixed_paths(c: asynclock.Coordinator) -> None:
+    """Ranks alternate between the general path and the small one: they must agree."""
+    for i in range(40):
+        t = torch.full((3,), float(c.rank + i))
+        general = (c.rank + i) % 2 == 0
+        got = await (c.allreduce_async(t) if general else c.allreduce(t))
+        assert torch.equal(got, torch.full((3,), i * c.size + tri(c.size))), (i, got)
+    report(c.rank, "mixed_paths")
+
+
+async def check_hand_off(c: asynclock.Coordinator) -> None:
+    """Rank 0 arrives 30 ms late: every other rank's spin ends and the engine finishes."""
+    before = c.small_allreduce_statistics().handed_off
+    for i in range(4):
+        if c.rank == 0:
+            await anyio.sleep(0.03)
+        got = await c.allreduce_(np.full(2, float(i + c.rank)))
+        assert (got == i * c.size + tri(c.size)).all(), (i, got)
+    handed = c.small_allreduce_statistics().handed_off - before
+    # rank 0 may hand off too: its round can need a peer that now polls with backoff
+    assert c.rank == 0 or handed == 4, f"rank {c.rank} handed off {handed} of 4"
+    got = await c.allreduce(torch.ones(5))  # fresh buffers after the hand-offs
+    assert torch.equal(got, torch.full((5,), float(c.size)))
+    report(c.rank, "hand_off")
+
+
+async def check_mismatch_after_hand_off(c: asynclock.Coordinator) -> None:
+    """A shape mismatch that the engine (not the spin) detects: same error everywhere."""
+    if c.rank == 0:
+        await anyio.sleep(0.03)
+    try:
+        await c.allreduce(torch.ones(2 + (c.rank == 0)))
+    except MismatchError as exc:
+        assert "float32[3]" in str(exc) and "float32[2]" in str(exc), exc
+    else:
+        raise AssertionError("no mismatch error")
+    assert torch.equal(await c.allreduce(torch.ones(1)), torch.full((1,), float(c.size)))
+    report(c.rank, "mismatch_after_hand_off")
+
+
+async def check_cancel_after_hand_off(c: asynclock.Coordinator) -> None:
+    """Cancelling an await of a handed-off round detaches; the round still completes."""
+    t = torch.full((2,), float(c.rank))
+    if c.rank == 0:
+        await anyio.sleep(0.05)
+        await c.allreduce_(t)
+    else:
+        with anyio.move_on_after(0.005) as scope:
+            await c.allreduce_(t)
+        assert scope.cancelled_caught, "the round should still have been waiting"
+    await c.drain(timeout=10)
+    assert torch.equal(t, torch.full((2,), tri(c.size))), t  # completed in the background
+    assert torch.equal(await c.allreduce(torch.ones(1)), torch.full((1,), float(c.size)))
+    report(c.rank, "cancel_after_hand_off")
+
+
+async def check_changed_tensor(c: asynclock.Coordinator) -> None:
+    """The cached numpy view of the last tensor must follow set_, .data= and t_()."""
+    t = torch.ones(2)
+    await c.allreduce_(t)
+    old = t.data
+    t.set_(torch.full((2,), 3.0))
+    await c.allreduce_(t)
+    assert torch.equal(t, torch.full((2,), 3.0 * c.size)) and torch.equal(
+        old, torch.full((2,), float(c.size))), (t, old)
+    t.data = torch.ones(2, dtype=torch.float64)
+    await c.allreduce_(t)
+    assert t.dtype == torch.float64 and torch.equal(t, torch.full((2,), float(c.size)).double())
+    t.set_(torch.ones(3, dtype=torch.float64))  # new shape
+    await c.allreduce_(t)
+    assert torch.equal(t, torch.full((3,), float(c.size)).double()), t
+    sq = torch.ones(2, 2)
+    await c.allreduce_(sq)
+    sq.t_()  # same pointer, shape and dtype; no longer contiguous
+    try:
+        await c.allreduce_(sq)
+    except InvalidInputError as exc:
+        assert "contiguous" in str(exc), exc
+    else:
+        raise AssertionError("transposed tensor was accepted")
+    report(c.rank, "changed_tensor")
+
+
+async def check_yields(c: asynclock.Coordinator) -> None:
+    """Calls that all finish inside the spin still let other tasks run."""
+    runs = 0
+    stop = False
+
+    async def side() -> None:
+        nonlocal runs
+        while not stop:
+            runs += 1
+            await anyio.sleep(0)
+
+    x = torch.ones(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(side)
+        await anyio.sleep(0)
+        start = runs
+        for _ in range(640):
+            await c.allreduce_(x, "max")
+        stop = True
+    assert runs - start >= 9, f"side task ran {runs - start} times during 640 calls"
+    report(c.rank, "yields")
+
+
+async def main() -> None:
+    async with asynclock.start() as c:
+        before = c.small_allreduce_statistics().calls
+        await check_mixed_paths(c)
+        if c.size > 1:
+            await check_hand_off(c)
+            await check_mismatch_after_hand_off(c)
+            await check_cancel_after_hand_off(c)
+        await check_changed_tensor(c)
+        await check_yields(c)
+        assert c.small_allreduce_statistics().calls > before + 640
+        await c.drain(timeout=10)
+        stats = c.statistics()
+        assert stats.in_flight == 0 and stats.issued == stats.completed, stats
+    report(c.rank, "done")
+
+
+run(main)
