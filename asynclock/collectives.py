@@ -9,6 +9,7 @@ average default.
 from __future__ import annotations
 
 import pickle
+import types
 from typing import Any
 
 import anyio.lowlevel
@@ -23,6 +24,8 @@ from .progress import Engine
 from .staging import submit
 from .tensors import Buffer, InputFault, InputRejected, as_buffer, empty_like_code
 from .tiny import NOT_TINY, YIELD_MASK, TinyAllreduce
+
+_PENDING = (Handle, types.CoroutineType)  # what `_allreduce_now` returns to await
 
 
 class Collectives:
@@ -92,31 +95,40 @@ class Collectives:
     async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Any:
         """Reduce `tensor` across ranks into a new tensor."""
-        result = await self._allreduce_tiny(tensor, op, name, False)
-        if result is NOT_TINY:
-            return await self.allreduce_async(tensor, op, name=name)
-        return result
+        result = self._allreduce_now(tensor, op, name, False)
+        return (await result) if type(result) in _PENDING else result
 
     async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Any:
         """Reduce `tensor` across ranks in place and return it."""
-        result = await self._allreduce_tiny(tensor, op, name, True)
-        if result is NOT_TINY:
-            return await self.allreduce_async_(tensor, op, name=name)
-        return result
+        result = self._allreduce_now(tensor, op, name, True)
+        return (await result) if type(result) in _PENDING else result
 
-    async def _allreduce_tiny(self, tensor: Any, op: ReduceOp | str, name: str | None,
-                              inplace: bool) -> Any:
-        """Small inputs finish inside one call (`asynclock.tiny`); else NOT_TINY."""
+    def _allreduce_now(self, tensor: Any, op: ReduceOp | str, name: str | None,
+                       inplace: bool) -> Any:
+        """The result if a small input finished inside this call (`asynclock.tiny`),
+        else something to await: a `Handle`, or a coroutine that yields first.
+
+        Not a coroutine itself: on the small path every layer of `await` costs
+        a measurable share of the call (bench/collectives.py, 4 B).
+        """
         tiny = self._tiny
         tiny.calls += 1
         if not tiny.calls & YIELD_MASK:
-            await anyio.lowlevel.checkpoint()  # before issuing: a cancel here loses nothing
+            return self._allreduce_after_checkpoint(tensor, op, name, inplace)
         self._check_open()
         result = tiny.allreduce(tensor, op, name, inplace)
-        if type(result) is Handle:
-            return await result
+        if result is NOT_TINY:
+            start = self.allreduce_async_ if inplace else self.allreduce_async
+            return start(tensor, op, name=name)
         return result
+
+    async def _allreduce_after_checkpoint(self, tensor: Any, op: ReduceOp | str,
+                                          name: str | None, inplace: bool) -> Any:
+        """Let other tasks run before issuing: a cancel here loses nothing."""
+        await anyio.lowlevel.checkpoint()
+        result = self._allreduce_now(tensor, op, name, inplace)  # count is past the mask
+        return (await result) if type(result) in _PENDING else result
 
     # -- broadcast -------------------------------------------------------------
     def broadcast_async(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:

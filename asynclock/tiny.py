@@ -74,6 +74,7 @@ class TinyAllreduce:
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
         self._engine, self._lane, self._size = engine, lane, lane.size
+        self._pair = lane.size == 2
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
         self.handed_off = 0
@@ -86,6 +87,8 @@ class TinyAllreduce:
         self._send = np.zeros(SLOT_WORDS, np.int64)
         self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
         self._send_bytes = self._send.view(np.uint8).data
+        transport = self._lane.transport  # MPI: the communicator's own Iallgather
+        self._start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
         self._signatures.clear()  # folds are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
@@ -102,8 +105,9 @@ class TinyAllreduce:
         if engine.on_event is not None or engine.failure is not None or self._lane in self._gates:
             return NOT_TINY
         last = self._last
-        if obj is last.tensor and last.same_memory(obj):
-            a, code, shape = last.view
+        if (obj is last.tensor and obj.data_ptr() == last.ptr and obj.dtype is last.dtype
+                and obj.is_cpu and obj.shape == last.view[2] and obj.is_contiguous()):
+            a, code, shape = last.view  # LastTensor.same_memory, inlined
         else:
             view = _view(obj, inplace)
             if view is None:
@@ -111,7 +115,8 @@ class TinyAllreduce:
             a, code, shape = view
         sig = self._signatures.get((code, shape, op, name), NOT_TINY)
         if sig is NOT_TINY:
-            sig = self._signatures[(code, shape, op, name)] = self._signature(a, code, op, name)
+            sig = self._signatures[(code, shape, op, name)] = self._signature(
+                a, code, shape, op, name)
         if sig is None:
             return NOT_TINY
         if obj is not last.tensor and type(obj) is not np.ndarray:
@@ -122,32 +127,39 @@ class TinyAllreduce:
         self._send[1] = seq  # W_SEQ
         send_bytes[HEADER_BYTES:sig.end] = a.tobytes()
         issued_at = time.perf_counter()
-        req = lane.transport.iallgather_slots(self._send, self._recv)
+        req = self._start(self._send, self._recv)
         deadline = issued_at + engine.policy.spin_s
         while not req.Test():
             if time.perf_counter() >= deadline:
-                return self._hand_off(sig, seq, obj, a, inplace, req, issued_at)
+                return self._hand_off(sig, seq, obj, (a, shape), inplace, req, issued_at)
         engine.count_synchronous(issued_at)
-        if self._size > 1 and not self._agree():
-            check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], Kind.ALLREDUCE)
+        if self._pair:  # the common case, inlined: ranks 0 and 1 sent the same header
+            raw = self._recv.tobytes()
+            if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES]:
+                self._check()
+        elif self._size > 2 and not self._agree():
+            self._check()
         if inplace:
-            sig.fold(a.reshape(-1))
+            sig.fold(a)
             return obj
-        out = np.empty(a.shape, a.dtype)
+        out = np.empty(shape, a.dtype)
         sig.fold(out.reshape(-1))
         return _wrap(obj, code)(out)
 
     def _agree(self) -> bool:
         """Every rank's header bytes equal ours (the general path's `agree`)."""
         raw = self._recv.tobytes()
-        if self._size == 2:
-            return raw[:HEADER_BYTES] == raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES]
         first = raw[:HEADER_BYTES]
         return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
                    for r in range(1, self._size))
 
+    def _check(self) -> None:
+        """Headers differ: raise the general path's error (same text on every rank)."""
+        check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], Kind.ALLREDUCE)
+
     # -- slow edges ---------------------------------------------------------------
-    def _signature(self, a: Array, code: int, op: Any, name: str | None) -> Signature | None:
+    def _signature(self, a: Array, code: int, shape: Any, op: Any,
+                   name: str | None) -> Signature | None:
         """Build (once per signature) what calls share; None: not for this path."""
         if a.nbytes > INLINE_BYTES or code == BFLOAT16:
             return None
@@ -157,7 +169,7 @@ class TinyAllreduce:
             return None  # the general path announces the fault and raises
         if len(self._signatures) >= _MAX_SIGNATURES:
             self._signatures.clear()
-        call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(a.shape),
+        call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(shape),
                     nbytes=a.nbytes, name=name or "")
         header = np.zeros(WORDS, np.int64)
         pack(call, header)
@@ -174,11 +186,11 @@ class TinyAllreduce:
             return lambda out: ufunc(first, second, out=out)  # = reduce(axis=0) at 2 rows
         return lambda out: fold(rows, code, op, size, out)
 
-    def _hand_off(self, sig: Signature, seq: int, obj: Any, a: Array, inplace: bool,
-                  req: Any, issued_at: float) -> Handle:
+    def _hand_off(self, sig: Signature, seq: int, obj: Any, view: tuple[Array, Any],
+                  inplace: bool, req: Any, issued_at: float) -> Handle:
         """The round is slow (a late rank): let the engine own it from here."""
-        flat = a.reshape(-1)
-        buf = Buffer(flat, sig.code, tuple(a.shape), _wrap(obj, sig.code), obj)
+        flat, shape = view
+        buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
         out = flat if inplace else np.empty(flat.size, flat.dtype)
         op = AllreduceOp(self._lane, sig.call._replace(seq=seq), buf, out, sig.op)
         op.resume_header(req, self._recv)
@@ -215,12 +227,12 @@ _BINARY = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maxi
 
 
 def _view(obj: Any, inplace: bool) -> tuple[Array, Any, Any] | None:
-    """(numpy view, dtype key, shape) of a plain CPU tensor or array, else None."""
+    """(flat numpy view, dtype code, shape) of a plain CPU tensor or array, else None."""
     if type(obj) is np.ndarray:
         if not obj.flags.c_contiguous or (inplace and not obj.flags.writeable):
             return None
         code = DTYPE_CODES.get(_NUMPY_CODES.get(obj.dtype, ""), 0)
-        return (obj, code, obj.shape) if code else None
+        return (obj.reshape(-1), code, obj.shape) if code else None
     torch = sys.modules.get("torch")
     if torch is None or type(obj) is not torch.Tensor:
         return None
@@ -230,7 +242,7 @@ def _view(obj: Any, inplace: bool) -> tuple[Array, Any, Any] | None:
     if not code or code == BFLOAT16:
         return None
     a = obj.detach().numpy() if obj.requires_grad else obj.numpy()
-    return a, code, obj.shape
+    return a.reshape(-1), code, obj.shape
 
 
 def _wrap(obj: Any, code: int) -> Callable[[Array], Any]:

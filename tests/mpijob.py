@@ -28,6 +28,9 @@ DEFAULT_KIND = mpi_select.resolve(MPI_KIND)
 OTHER_KINDS = [k for k, ok in mpi_select.available().items() if ok and k != DEFAULT_KIND]
 
 
+_OK = re.compile(r"RANK (\d+) OK (\S+)")
+
+
 @dataclass
 class Job:
     """Outcome of one mpiexec run."""
@@ -37,13 +40,9 @@ class Job:
     cmd: list[str]
 
     def ok_lines(self, label: str) -> set[int]:
-        """Ranks that printed `RANK r OK label`."""
-        ranks = set()
-        for line in self.output.splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[0] == "RANK" and parts[2] == "OK" and parts[3] == label:
-                ranks.add(int(parts[1]))
-        return ranks
+        """Ranks that printed `RANK r OK label`, also where another rank's unfinished
+        line (a `print` is two writes) ran into it: ranks share one pipe."""
+        return {int(m.group(1)) for m in _OK.finditer(self.output) if m.group(2) == label}
 
     def explain(self) -> str:
         return f"command: {' '.join(self.cmd)}\nexit: {self.returncode}\n--- output ---\n{self.output}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,8 @@ class MPIChannel:
         self.rank = world.Get_rank()
         self.size = world.Get_size()
         self._bulk_view = BulkChannel(self)
+        # `iallgather_slots` without the Python frame, for asynclock.tiny's hot path
+        self.iallgather_slots_direct: Callable[[Array, Array], Request] = self.hdr.Iallgather
 
     def iallgather_slots(self, send: Array, recv: Array) -> Request:
         return self.hdr.Iallgather(send, recv)  # type: ignore[no-any-return]
