@@ -26,7 +26,7 @@ from .errors import NotInitializedError, ShutdownError
 from .operation import Lane
 from .progress import Engine, EngineStatistics, ProgressPolicy
 from .sync import SyncPrimitives
-from .tiny import TinyAllreduce, TinyStatistics
+from .tiny import TinyCollectives, TinyStatistics
 from .watchdog import Watchdog
 
 log = logging.getLogger("asynclock")
@@ -90,7 +90,7 @@ class Coordinator(Collectives, SyncPrimitives):
         self.backend = backend
         self._engine = Engine(policy)
         self._lane = self._add_lane("user")
-        self._tiny = TinyAllreduce(self._engine, self._lane)
+        self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
         self.sync_lane = self._add_lane("sync")
         self._closed = False
@@ -142,8 +142,8 @@ class Coordinator(Collectives, SyncPrimitives):
         """In-flight and completed counts of this rank's progress engine."""
         return self._engine.statistics()
 
-    def small_allreduce_statistics(self) -> TinyStatistics:
-        """How many user-lane allreduces took the small-message path (`asynclock.tiny`)."""
+    def small_path_statistics(self) -> TinyStatistics:
+        """User-lane calls on the small-message path (`asynclock.tiny`), and hand-offs."""
         return self._tiny.statistics()
 
     def train_step(self, optimizer: Any, **options: Any) -> Any:
@@ -251,7 +251,7 @@ class LaneCollectives(Collectives):
         self._coord = coord
         self._engine = coord.engine
         self._lane = lane
-        self._tiny = TinyAllreduce(self._engine, lane)
+        self._tiny = TinyCollectives(self._engine, lane)
 
     def _check_open(self) -> None:
         self._coord._check_open()

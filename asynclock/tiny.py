@@ -1,24 +1,25 @@
-"""Small allreduces without an Operation: the same wire protocol, fewer steps.
+"""Small collectives without an Operation: the same wire protocol, fewer steps.
 
-An allreduce of at most `INLINE_BYTES` already costs one round trip: its
-data rides in the header slot and every rank folds the gathered slots
-(`AllreduceOp`). What was left was Python: a `Call`, 18 packed words, an
-`Operation`, a `Handle`, fresh views of the received slots... about 45 us a
-call against MPI's 3 us (`bench/collectives.py`, 4 B).
+An allreduce or broadcast of at most `INLINE_BYTES`, and every barrier,
+already costs one round trip: the data rides in the header slot
+(`AllreduceOp`, `BroadcastOp`, `BarrierOp`). What was left was Python: a
+`Call`, 18 packed words, an `Operation`, a `Handle`, fresh views of the
+received slots... 40-50 us a call against MPI's 3 us (`bench/collectives.py`,
+4 B).
 
-This path keeps, per call signature (dtype, shape, op, name), the header
-bytes with only the sequence number left to patch and the fold bound to
-views of reused receive slots. It issues the header allgather from reused
-buffers and tests it for the engine's spin time. On the wire it is the
-general path's exact bytes, so ranks on either path agree, and a mismatch
-raises the same error on all of them.
+This path keeps, per call signature (kind, dtype, shape, op or root, name),
+the header bytes with only the sequence number left to patch and the
+finishing step (fold or copy) bound to views of reused receive slots. It
+issues the header allgather from reused buffers and tests it for the
+engine's spin time. On the wire it is the general path's exact bytes, so
+ranks on either path agree, and a mismatch raises the same error on all.
 
 If the round has not finished when the spin ends, the request and its
-buffers are handed to a regular `AllreduceOp` in the engine (the next call
-gets fresh buffers), so awaiting, cancellation, stall reports and failure
-handling are the general path's. Anything unusual (timeline recording, a
-held CUDA staging gate, a failed engine, bfloat16, big or odd inputs) takes
-the general path from the start.
+buffers are handed to the general path's operation in the engine (the next
+call gets fresh buffers), so awaiting, cancellation, stall reports and
+failure handling are the general path's. Anything unusual (timeline
+recording, a held CUDA staging gate, a failed engine, bfloat16, big or odd
+inputs) takes the general path from the start.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import staging
-from .collective_ops import AllreduceOp
+from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .handle import Handle
 from .header import HEADER_BYTES, INLINE_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, check, pack
-from .operation import Lane
+from .operation import Lane, Operation
 from .ops import BFLOAT16, DTYPE_CODES, NUMPY_OF_CODE, Kind, ReduceOp, as_reduce_op
 from .progress import Engine
 from .reduce import HALF, fold
@@ -59,17 +60,17 @@ class TinyStatistics:
 
 
 class Signature(NamedTuple):
-    """What every call with this dtype, shape, op and name shares."""
+    """What every call with this kind, dtype, shape, op or root and name shares."""
 
     call: Call  # seq 0; the real one is patched in
     header: bytes  # the packed header words of `call`
-    end: int  # HEADER_BYTES + payload bytes
+    end: int  # HEADER_BYTES + the bytes this rank sends inline
     code: int
-    op: ReduceOp
-    fold: Callable[[Array], None]  # reduce the received slots into `out`
+    finish: Callable[[Array], None]  # the result into `out`, from the received slots
+    make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
 
 
-class TinyAllreduce:
+class TinyCollectives:
     """One lane's fast path; used only from the loop thread, like the engine."""
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
@@ -78,6 +79,7 @@ class TinyAllreduce:
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
         self.handed_off = 0
+        self._seq, self._issued_at = 0, 0.0  # of the round in flight
         self._last = LastTensor(None, (np.empty(0), 0, ()))
         self._gates = staging.held_lanes()
         self._new_buffers()
@@ -89,62 +91,107 @@ class TinyAllreduce:
         self._send_bytes = self._send.view(np.uint8).data
         transport = self._lane.transport  # MPI: the communicator's own Iallgather
         self._start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
-        self._signatures.clear()  # folds are bound to the old receive slots
+        self._signatures.clear()  # finishing steps are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
         return TinyStatistics(self.calls, self.handed_off)
 
-    # -- the call ---------------------------------------------------------------
+    # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
     def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
-        """The result, a `Handle` to await, or `NOT_TINY` (nothing was issued).
-
-        One function on purpose: a Python call costs ~0.15 us here, and this
-        whole path is budgeted at a few microseconds (`bench/collectives.py`).
-        """
-        engine = self._engine
-        if engine.on_event is not None or engine.failure is not None or self._lane in self._gates:
+        view = self._view(obj, inplace)
+        if view is None:
             return NOT_TINY
+        a, code, shape = view
+        key = (Kind.ALLREDUCE, code, shape, op, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
+        if sig is None:
+            return NOT_TINY
+        req = self._exchange(sig, a.tobytes())
+        return self._result(sig, obj, a, shape, inplace, req)
+
+    def broadcast(self, obj: Any, root: int, name: str | None, inplace: bool) -> Any:
+        if not 0 <= root < self._size:
+            return NOT_TINY  # the general path names the bad root on every rank
+        view = self._view(obj, inplace)
+        if view is None:
+            return NOT_TINY
+        a, code, shape = view
+        key = (Kind.BROADCAST, code, shape, root, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._broadcast_signature(a, code, shape, root, name))
+        if sig is None:
+            return NOT_TINY
+        req = self._exchange(sig, a.tobytes() if self._lane.rank == root else b"")
+        return self._result(sig, obj, a, shape, inplace, req)
+
+    def barrier(self, name: str | None) -> Any:
+        if not self._engine_ready():
+            return NOT_TINY
+        key = (Kind.BARRIER, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._signature(Call(Kind.BARRIER, 0, name=name or ""),
+                                                      0, 0, _nothing, _barrier_op(self._lane)))
+        req = self._exchange(sig, b"")
+        return None if req is None else self._hand_off(sig, req, None, np.empty(0), (), False)
+
+    # -- the shared steps ---------------------------------------------------------
+    def _engine_ready(self) -> bool:
+        engine = self._engine
+        return engine.on_event is None and engine.failure is None and self._lane not in self._gates
+
+    def _view(self, obj: Any, inplace: bool) -> tuple[Array, int, Any] | None:
+        """The input's flat numpy view, dtype code and shape; None: general path."""
+        engine = self._engine  # `_engine_ready`, inlined
+        if engine.on_event is not None or engine.failure is not None or self._lane in self._gates:
+            return None
         last = self._last
         if (obj is last.tensor and obj.data_ptr() == last.ptr and obj.dtype is last.dtype
                 and obj.is_cpu and obj.shape == last.view[2] and obj.is_contiguous()):
-            a, code, shape = last.view  # LastTensor.same_memory, inlined
-        else:
-            view = _view(obj, inplace)
-            if view is None:
-                return NOT_TINY
-            a, code, shape = view
-        sig = self._signatures.get((code, shape, op, name), NOT_TINY)
-        if sig is NOT_TINY:
-            sig = self._signatures[(code, shape, op, name)] = self._signature(
-                a, code, shape, op, name)
-        if sig is None:
-            return NOT_TINY
-        if obj is not last.tensor and type(obj) is not np.ndarray:
-            self._last = LastTensor(obj, (a, code, shape))
+            return last.view  # LastTensor.same_memory, inlined
+        view = _view(obj, inplace)
+        if view is not None and type(obj) is not np.ndarray and view[0].nbytes <= INLINE_BYTES:
+            self._last = LastTensor(obj, view)
+        return view
+
+    def _exchange(self, sig: Signature, payload: bytes) -> Any:
+        """Issue the header round and spin: None once it completed and every rank
+        agreed (else the general path's error is raised), or the request still
+        in flight. Kept flat: each Python call costs ~0.15 us here."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
-        seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
+        seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
         self._send[1] = seq  # W_SEQ
-        send_bytes[HEADER_BYTES:sig.end] = a.tobytes()
-        issued_at = time.perf_counter()
+        send_bytes[HEADER_BYTES:sig.end] = payload
+        issued_at = self._issued_at = time.perf_counter()
         req = self._start(self._send, self._recv)
-        deadline = issued_at + engine.policy.spin_s
+        deadline = issued_at + self._engine.policy.spin_s
         while not req.Test():
             if time.perf_counter() >= deadline:
-                return self._hand_off(sig, seq, obj, (a, shape), inplace, req, issued_at)
-        engine.count_synchronous(issued_at)
+                return req
+        self._engine.count_synchronous(issued_at)
         if self._pair:  # the common case, inlined: ranks 0 and 1 sent the same header
             raw = self._recv.tobytes()
             if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES]:
-                self._check()
+                self._check(sig)
         elif self._size > 2 and not self._agree():
-            self._check()
+            self._check(sig)
+        return None
+
+    def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, inplace: bool,
+                req: Any) -> Any:
+        """Finish into the caller's object (in place) or a new one of its type."""
+        if req is not None:
+            return self._hand_off(sig, req, obj, a, shape, inplace)
         if inplace:
-            sig.fold(a)
+            sig.finish(a)
             return obj
         out = np.empty(shape, a.dtype)
-        sig.fold(out.reshape(-1))
-        return _wrap(obj, code)(out)
+        sig.finish(out.reshape(-1))
+        return _wrap(obj, sig.code)(out)
 
     def _agree(self) -> bool:
         """Every rank's header bytes equal ours (the general path's `agree`)."""
@@ -153,51 +200,85 @@ class TinyAllreduce:
         return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
                    for r in range(1, self._size))
 
-    def _check(self) -> None:
+    def _check(self, sig: Signature) -> None:
         """Headers differ: raise the general path's error (same text on every rank)."""
-        check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], Kind.ALLREDUCE)
+        check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], sig.call.kind)
 
     # -- slow edges ---------------------------------------------------------------
-    def _signature(self, a: Array, code: int, shape: Any, op: Any,
-                   name: str | None) -> Signature | None:
-        """Build (once per signature) what calls share; None: not for this path."""
+    def _remember(self, key: tuple[Any, ...], sig: Signature | None) -> Signature | None:
+        if len(self._signatures) >= _MAX_SIGNATURES:
+            self._signatures.clear()
+        self._signatures[key] = sig
+        return sig
+
+    def _allreduce_signature(self, a: Array, code: int, shape: Any, op: Any,
+                             name: str | None) -> Signature | None:
+        """None: not for this path (too big, bfloat16, or an op the general path rejects)."""
         if a.nbytes > INLINE_BYTES or code == BFLOAT16:
             return None
         try:
             rop = as_reduce_op(op)
         except ValueError:
             return None  # the general path announces the fault and raises
-        if len(self._signatures) >= _MAX_SIGNATURES:
-            self._signatures.clear()
         call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(shape),
                     nbytes=a.nbytes, name=name or "")
+        lane = self._lane
+        return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size),
+                               lambda c, b, o: AllreduceOp(lane, c, b, o, rop))  # type: ignore[arg-type]
+
+    def _broadcast_signature(self, a: Array, code: int, shape: Any, root: int,
+                             name: str | None) -> Signature | None:
+        if a.nbytes > INLINE_BYTES or code == BFLOAT16:
+            return None
+        call = Call(Kind.BROADCAST, 0, dtype=code, root=root, shape=tuple(shape),
+                    nbytes=a.nbytes, name=name or "")
+        row = self._rows(code, a.size)[root]
+        lane = self._lane
+        return self._signature(call, a.nbytes if lane.rank == root else 0, code,
+                               lambda out: np.copyto(out, row),
+                               lambda c, b, o: BroadcastOp(lane, c, b, o, root))  # type: ignore[arg-type]
+
+    def _signature(self, call: Call, inline: int, code: int, finish: Callable[[Array], None],
+                   make: Callable[[Call, Buffer | None, Array | None], Operation]) -> Signature:
         header = np.zeros(WORDS, np.int64)
         pack(call, header)
-        return Signature(call, header.tobytes(), HEADER_BYTES + a.nbytes, code, rop,
-                         self._fold(code, rop, a.size))
+        return Signature(call, header.tobytes(), HEADER_BYTES + inline, code, finish, make)
+
+    def _rows(self, code: int, n: int) -> Array:
+        """Each rank's inline payload in the receive slots, as `n` elements of `code`."""
+        payload = self._recv.view(np.uint8).reshape(self._size, SLOT_BYTES)[:, HEADER_BYTES:]
+        return payload[:, : n * NUMPY_OF_CODE[code].itemsize].view(NUMPY_OF_CODE[code])
 
     def _fold(self, code: int, op: ReduceOp, n: int) -> Callable[[Array], None]:
         """The reduction of the received payloads, rank order, bound to the slots."""
-        payload = self._recv.view(np.uint8).reshape(self._size, SLOT_BYTES)[:, HEADER_BYTES:]
-        rows = payload[:, : n * NUMPY_OF_CODE[code].itemsize].view(NUMPY_OF_CODE[code])
-        size = self._size
+        rows, size = self._rows(code, n), self._size
         if size == 2 and op is not ReduceOp.AVERAGE and code not in HALF:
             ufunc, first, second = _BINARY[op], rows[0], rows[1]
             return lambda out: ufunc(first, second, out=out)  # = reduce(axis=0) at 2 rows
         return lambda out: fold(rows, code, op, size, out)
 
-    def _hand_off(self, sig: Signature, seq: int, obj: Any, view: tuple[Array, Any],
-                  inplace: bool, req: Any, issued_at: float) -> Handle:
+    def _hand_off(self, sig: Signature, req: Any, obj: Any, flat: Array, shape: Any,
+                  inplace: bool) -> Handle:
         """The round is slow (a late rank): let the engine own it from here."""
-        flat, shape = view
-        buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
-        out = flat if inplace else np.empty(flat.size, flat.dtype)
-        op = AllreduceOp(self._lane, sig.call._replace(seq=seq), buf, out, sig.op)
+        call = sig.call._replace(seq=self._seq)
+        if obj is None:
+            op = sig.make(call, None, None)
+        else:
+            buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
+            op = sig.make(call, buf, flat if inplace else np.empty(flat.size, flat.dtype))
         op.resume_header(req, self._recv)
         self._new_buffers()
         self.handed_off += 1
-        self._engine.adopt_issued(op, issued_at)
+        self._engine.adopt_issued(op, self._issued_at)
         return Handle(self._engine, op)
+
+
+def _nothing(out: Array) -> None:
+    return None
+
+
+def _barrier_op(lane: Lane) -> Callable[[Call, Buffer | None, Array | None], Operation]:
+    return lambda c, b, o: BarrierOp(lane, c)
 
 
 class LastTensor:

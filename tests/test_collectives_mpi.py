@@ -81,13 +81,14 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("mixed_paths", "changed_tensor", "yields")
+TINY_LABELS = ("mixed_paths", "broadcast_barrier", "changed_tensor", "yields")
 
 
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
 def test_small_allreduce_path(nranks: int, loop: str) -> None:
-    """asynclock.tiny: agrees with the general path, hands off, follows changed tensors."""
-    job = run_job("tiny_allreduce.py", nranks, *(["--trio"] if loop == "trio" else []),
+    """asynclock.tiny: agrees with the general path (allreduce, broadcast, barrier),
+    hands off to the engine when a rank is late, follows changed tensors, yields."""
+    job = run_job("tiny_collectives.py", nranks, *(["--trio"] if loop == "trio" else []),
                   timeout=120)
     assert_all_ok(job, nranks)
     labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off")
@@ -98,6 +99,6 @@ def test_small_allreduce_path(nranks: int, loop: str) -> None:
 
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_small_allreduce_path_other_mpi(kind: str) -> None:
-    job = run_job("tiny_allreduce.py", 2, timeout=120, kind=kind)
+    job = run_job("tiny_collectives.py", 2, timeout=120, kind=kind)
     assert_all_ok(job, 2)
     assert job.ok_lines("cancel_after_hand_off") == {0, 1}, job.explain()

@@ -1,4 +1,4 @@
-"""The small-allreduce path (`asynclock.tiny`): same wire bytes as the general
+"""The small-collective path (`asynclock.tiny`): same wire bytes as the general
 path, hand-off to the engine when a rank is late, and what it caches.
 
 Every rank runs the same sequence; each check reports its label.
@@ -29,15 +29,38 @@ async def check_mixed_paths(c: asynclock.Coordinator) -> None:
     report(c.rank, "mixed_paths")
 
 
+async def check_broadcast_barrier(c: asynclock.Coordinator) -> None:
+    """Broadcast and barrier on the small path next to the general one, then late."""
+    for i in range(12):
+        root, general = i % c.size, (c.rank + i) % 2 == 0
+        t = torch.full((2,), float(c.rank * 10 + i))
+        got = await (c.broadcast_async(t, root) if general else c.broadcast(t, root))
+        assert torch.equal(got, torch.full((2,), float(root * 10 + i))), (i, got)
+        a = np.full(3, c.rank, np.int64)
+        same = await (c.broadcast_async_(a, root) if not general else c.broadcast_(a, root))
+        assert same is a and (a == root).all(), (i, a)
+        await (c.barrier_async() if general else c.barrier())
+    before = c.small_path_statistics().handed_off
+    for _ in range(2):
+        if c.rank == 0:
+            await anyio.sleep(0.03)
+        await c.barrier(name="late")
+        got = await c.broadcast(torch.full((1,), float(c.rank + 1)), root=0)
+        assert torch.equal(got, torch.ones(1)), got
+    handed = c.small_path_statistics().handed_off - before
+    assert c.rank == 0 or handed >= 2, f"rank {c.rank} handed off {handed} of 4"
+    report(c.rank, "broadcast_barrier")
+
+
 async def check_hand_off(c: asynclock.Coordinator) -> None:
     """Rank 0 arrives 30 ms late: every other rank's spin ends and the engine finishes."""
-    before = c.small_allreduce_statistics().handed_off
+    before = c.small_path_statistics().handed_off
     for i in range(4):
         if c.rank == 0:
             await anyio.sleep(0.03)
         got = await c.allreduce_(np.full(2, float(i + c.rank)))
         assert (got == i * c.size + tri(c.size)).all(), (i, got)
-    handed = c.small_allreduce_statistics().handed_off - before
+    handed = c.small_path_statistics().handed_off - before
     # rank 0 may hand off too: its round can need a peer that now polls with backoff
     assert c.rank == 0 or handed == 4, f"rank {c.rank} handed off {handed} of 4"
     got = await c.allreduce(torch.ones(5))  # fresh buffers after the hand-offs
@@ -127,15 +150,16 @@ async def check_yields(c: asynclock.Coordinator) -> None:
 
 async def main() -> None:
     async with asynclock.start() as c:
-        before = c.small_allreduce_statistics().calls
+        before = c.small_path_statistics().calls
         await check_mixed_paths(c)
+        await check_broadcast_barrier(c)
         if c.size > 1:
             await check_hand_off(c)
             await check_mismatch_after_hand_off(c)
             await check_cancel_after_hand_off(c)
         await check_changed_tensor(c)
         await check_yields(c)
-        assert c.small_allreduce_statistics().calls > before + 640
+        assert c.small_path_statistics().calls > before + 640
         await c.drain(timeout=10)
         stats = c.statistics()
         assert stats.in_flight == 0 and stats.issued == stats.completed, stats
