@@ -99,6 +99,11 @@ class Operation:
         self.request, self._recv = request, recv
         self.lane.queue.append(self)
 
+    def resume_data(self, request: Request) -> None:
+        """Own a data stage that `asynclock.tiny` issued after the headers agreed
+        (nothing earlier on the lane was waiting, so it is not queued)."""
+        self.request, self.state = request, State.DATA
+
     def poll(self) -> bool:
         """Test the outstanding request; advance and return True if it finished."""
         req = self.request

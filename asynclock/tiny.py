@@ -34,12 +34,13 @@ import numpy as np
 
 from . import staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
+from .errors import BackendError
 from .handle import Handle
 from .header import HEADER_BYTES, INLINE_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, check, pack
 from .operation import Lane, Operation
-from .ops import BFLOAT16, DTYPE_CODES, NUMPY_OF_CODE, Kind, ReduceOp, as_reduce_op
+from .ops import BFLOAT16, DTYPE_CODES, HALF_CODES, NUMPY_OF_CODE, Kind, ReduceOp, as_reduce_op
 from .progress import Engine
-from .reduce import HALF, fold
+from .reduce import HALF, finish_average_inplace, fold
 from .tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wrapper
 
 Array = np.ndarray[Any, Any]
@@ -53,10 +54,12 @@ _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cach
 
 @dataclass(frozen=True, slots=True)
 class TinyStatistics:
-    """Calls that came this way, and rounds handed to the engine (a late rank)."""
+    """Calls that came this way, and rounds handed to the engine: header rounds
+    (a late rank) and data stages (a slow transfer; also counted in handed_off)."""
 
     calls: int
     handed_off: int
+    data_handed_off: int
 
 
 class Signature(NamedTuple):
@@ -68,6 +71,7 @@ class Signature(NamedTuple):
     code: int
     finish: Callable[[Array], None]  # the result into `out`, from the received slots
     make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
+    op: ReduceOp | None = None  # set for an allreduce whose data follows the header
 
 
 class TinyCollectives:
@@ -78,7 +82,7 @@ class TinyCollectives:
         self._pair = lane.size == 2
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
-        self.handed_off = 0
+        self.handed_off = self.data_handed_off = 0
         self._seq, self._issued_at = 0, 0.0  # of the round in flight
         self._last = LastTensor(None, (np.empty(0), 0, ()))
         self._gates = staging.held_lanes()
@@ -94,7 +98,7 @@ class TinyCollectives:
         self._signatures.clear()  # finishing steps are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
-        return TinyStatistics(self.calls, self.handed_off)
+        return TinyStatistics(self.calls, self.handed_off, self.data_handed_off)
 
     # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
     def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
@@ -108,8 +112,34 @@ class TinyCollectives:
             sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
         if sig is None:
             return NOT_TINY
+        if sig.op is not None:
+            return self._allreduce_staged(sig, sig.op, obj, a, shape, inplace)
         req = self._exchange(sig, a.tobytes())
         return self._result(sig, obj, a, shape, inplace, req)
+
+    def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
+                          inplace: bool) -> Any:
+        """Too big to ride inline: the header round, then the data allreduce, both
+        from this call. Only while nothing earlier on this lane still waits to
+        issue its data stage: data stages go out in header order on every rank."""
+        if self._lane.queue:
+            return NOT_TINY
+        req = self._exchange(sig, b"")
+        if req is not None:
+            return self._hand_off(sig, req, obj, a, shape, inplace)
+        out = a if inplace else np.empty(a.size, a.dtype)
+        try:
+            data = self._lane.transport.iallreduce(None if inplace else a, out, op)
+        except Exception as exc:  # as `Operation.issue_next` reports it
+            raise BackendError(f"allreduce #{self._seq} on {self._lane.transport.name}: "
+                               f"{exc}") from exc
+        deadline = self._issued_at + self._engine.policy.spin_s
+        while not data.Test():
+            if time.perf_counter() >= deadline:
+                return self._hand_off_data(sig, data, obj, a, out, shape)
+        if op is ReduceOp.AVERAGE:
+            finish_average_inplace(out, sig.code, self._size)
+        return obj if inplace else _wrap(obj, sig.code)(out.reshape(shape))
 
     def broadcast(self, obj: Any, root: int, name: str | None, inplace: bool) -> Any:
         if not 0 <= root < self._size:
@@ -213,8 +243,11 @@ class TinyCollectives:
 
     def _allreduce_signature(self, a: Array, code: int, shape: Any, op: Any,
                              name: str | None) -> Signature | None:
-        """None: not for this path (too big, bfloat16, or an op the general path rejects)."""
-        if a.nbytes > INLINE_BYTES or code == BFLOAT16:
+        """None: not for this path (a bulk size, a 16-bit float, or an op the general
+        path rejects); above INLINE_BYTES the data follows in its own allreduce."""
+        staged = a.nbytes > INLINE_BYTES
+        if code == BFLOAT16 or (staged and (code in HALF_CODES
+                                            or a.nbytes >= self._engine.policy.thread_min_bytes)):
             return None
         try:
             rop = as_reduce_op(op)
@@ -223,8 +256,13 @@ class TinyCollectives:
         call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(shape),
                     nbytes=a.nbytes, name=name or "")
         lane = self._lane
-        return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size),
-                               lambda c, b, o: AllreduceOp(lane, c, b, o, rop))  # type: ignore[arg-type]
+
+        def make(c: Call, b: Buffer | None, o: Array | None) -> Operation:
+            return AllreduceOp(lane, c, b, o, rop)  # type: ignore[arg-type]
+
+        if staged:
+            return self._signature(call, 0, code, _nothing, make)._replace(op=rop)
+        return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
 
     def _broadcast_signature(self, a: Array, code: int, shape: Any, root: int,
                              name: str | None) -> Signature | None:
@@ -272,8 +310,20 @@ class TinyCollectives:
         self._engine.adopt_issued(op, self._issued_at)
         return Handle(self._engine, op)
 
+    def _hand_off_data(self, sig: Signature, req: Any, obj: Any, flat: Array, out: Array,
+                       shape: Any) -> Handle:
+        """Headers agreed, the data allreduce is slow: the engine finishes it."""
+        buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
+        op = sig.make(sig.call._replace(seq=self._seq), buf, out)
+        op.resume_data(req)
+        self.handed_off += 1
+        self.data_handed_off += 1
+        self._engine.adopt_issued(op, self._issued_at)
+        return Handle(self._engine, op)
+
 
 def _nothing(out: Array) -> None:
+    """The finishing step of calls whose result is not in the header slots."""
     return None
 
 

@@ -81,7 +81,7 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("mixed_paths", "broadcast_barrier", "changed_tensor", "yields")
+TINY_LABELS = ("mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor", "yields")
 
 
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
@@ -102,3 +102,11 @@ def test_small_allreduce_path_other_mpi(kind: str) -> None:
     job = run_job("tiny_collectives.py", 2, timeout=120, kind=kind)
     assert_all_ok(job, 2)
     assert job.ok_lines("cancel_after_hand_off") == {0, 1}, job.explain()
+
+
+def test_small_path_hands_slow_data_stages_to_the_engine() -> None:
+    """A 920 KB allreduce outlasting a 50 us spin: the engine finishes its data stage."""
+    job = run_job("tiny_collectives.py", 2, "--short-spin", timeout=120,
+                  env={"ASYNCLOCK_SPIN_US": "50"})
+    assert_all_ok(job, 2)
+    assert job.ok_lines("mid_size") == {0, 1}, job.explain()

@@ -6,6 +6,8 @@ Every rank runs the same sequence; each check reports its label.
 
 from __future__ import annotations
 
+import sys
+
 import anyio
 import numpy as np
 import torch
@@ -50,6 +52,36 @@ async def check_broadcast_barrier(c: asynclock.Coordinator) -> None:
     handed = c.small_path_statistics().handed_off - before
     assert c.rank == 0 or handed >= 2, f"rank {c.rank} handed off {handed} of 4"
     report(c.rank, "broadcast_barrier")
+
+
+async def check_mid_size(c: asynclock.Coordinator) -> None:
+    """Above 128 B the data follows in its own allreduce from the same call; mixed
+    with the general path, in place and not, sum/average/max, up to 900 KB."""
+    before = c.small_path_statistics()
+    for i, n in enumerate((33, 5000, 5000, 230_000)):
+        for op in ("sum", "average", "max"):
+            general = (c.rank + i) % 2 == 0
+            t = torch.arange(n, dtype=torch.float32) + c.rank
+            want = {"sum": torch.arange(n) * c.size + tri(c.size),
+                    "average": torch.arange(n) + tri(c.size) / c.size,
+                    "max": torch.arange(n) + c.size - 1.0}[op].float()
+            got = await (c.allreduce_async(t, op) if general else c.allreduce(t, op))
+            assert torch.allclose(got, want), (n, op, got[:3], want[:3])
+            i64 = np.arange(n, dtype=np.int64) * (c.rank + 1)
+            assert await c.allreduce_(i64, op) is i64
+            want64 = {"sum": np.arange(n) * (c.size * (c.size + 1) // 2),
+                      "average": np.arange(n) * (c.size * (c.size + 1) // 2) // c.size,
+                      "max": np.arange(n) * c.size}[op]
+            assert (i64 == want64).all(), (n, op, i64[:3], want64[:3])
+    if "--short-spin" in sys.argv:  # ASYNCLOCK_SPIN_US=50: headers finish in the spin,
+        for i in range(10):  # a 920 KB transfer does not: the engine finishes it
+            t = torch.full((230_000,), float(c.rank + i))
+            got = await c.allreduce(t)
+            assert torch.equal(got, torch.full((230_000,), i * c.size + tri(c.size)))
+    after = c.small_path_statistics()
+    data = int((await c.allreduce(np.array([after.data_handed_off - before.data_handed_off])))[0])
+    assert "--short-spin" not in sys.argv or data > 0, "no data stage went to the engine"
+    report(c.rank, "mid_size", f"data_handed_off={data}")
 
 
 async def check_hand_off(c: asynclock.Coordinator) -> None:
@@ -153,6 +185,7 @@ async def main() -> None:
         before = c.small_path_statistics().calls
         await check_mixed_paths(c)
         await check_broadcast_barrier(c)
+        await check_mid_size(c)
         if c.size > 1:
             await check_hand_off(c)
             await check_mismatch_after_hand_off(c)
