@@ -142,7 +142,9 @@ class Collectives:
 
     async def _after_checkpoint(self, small: Callable[..., Any], general: Callable[..., Handle],
                                 args: tuple[Any, ...]) -> Any:
-        """Let other tasks run before issuing: a cancel here loses nothing."""
+        """Let other tasks run before issuing: a cancel here loses nothing. Twice,
+        so a task whose timer expired meanwhile runs too (see `maybe_yield`)."""
+        await anyio.lowlevel.checkpoint()
         await anyio.lowlevel.checkpoint()
         result = self._now(small, general, *args)  # the count is past the mask now
         return (await result) if type(result) in _PENDING else result
