@@ -46,8 +46,7 @@ from .tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wra
 Array = np.ndarray[Any, Any]
 
 NOT_TINY: Any = object()  # "take the general path": nothing was issued
-# Every 64th call yields to the loop first: calls that all finish inside the
-# spin would otherwise never let the loop run other tasks.
+# Every 64th call yields to the loop once it finished (`collectives._yield_then`).
 YIELD_MASK = 63
 _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cache forever
 

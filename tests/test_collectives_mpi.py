@@ -81,7 +81,8 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor", "yields")
+TINY_LABELS = ("mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor",
+               "cancelled_scope_still_issues", "yields")
 
 
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])

@@ -157,6 +157,24 @@ async def check_changed_tensor(c: asynclock.Coordinator) -> None:
     report(c.rank, "changed_tensor")
 
 
+async def check_cancelled_scope_still_issues(c: asynclock.Coordinator) -> None:
+    """Regression: the periodic yield once came before the issue, as a cancellation
+    point, so every 64th call made in a cancelled scope was never issued on this
+    rank while the others issued theirs. A call is issued whatever its scope."""
+    kept = []
+    for i in range(130):  # past two multiples of 64, wherever the count stands
+        t = torch.full((1,), float(i))
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await c.allreduce_(t)
+        kept.append(t)
+    await c.drain(timeout=10)  # a handed-off round finishes in the background
+    for i, t in enumerate(kept):
+        assert torch.equal(t, torch.full((1,), float(i * c.size))), (i, t)
+    assert torch.equal(await c.allreduce(torch.ones(1)), torch.full((1,), float(c.size)))
+    report(c.rank, "cancelled_scope_still_issues")
+
+
 async def check_yields(c: asynclock.Coordinator) -> None:
     """Calls that all finish inside the spin still let other tasks run."""
     runs = 0
@@ -191,6 +209,7 @@ async def main() -> None:
             await check_mismatch_after_hand_off(c)
             await check_cancel_after_hand_off(c)
         await check_changed_tensor(c)
+        await check_cancelled_scope_still_issues(c)
         await check_yields(c)
         assert c.small_path_statistics().calls > before + 640
         await c.drain(timeout=10)
