@@ -126,7 +126,7 @@ def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
     parts = [f"rank {r}: {FAULT_TEXT.get(InputFault(int(rows[r, W_FAULT])), 'invalid input')}"
              for r in ranks]
     first = rows[int(ranks[0])]
-    head = f"collective #{int(first[W_SEQ])} {_describe(first)} rejected input on "
+    head = f"collective {_describe(first)} rejected input on "  # "#4 allreduce(sum) ..."
     return head + "; ".join(parts)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from .collectives import Collectives
 from .config import agree_config
 from .errors import NotInitializedError, ShutdownError
 from .operation import Lane
+from .process_sets import Subset, make_subset, remove_subset
 from .progress import Engine, EngineStatistics, ProgressPolicy
 from .sync import SyncPrimitives
 from .tiny import TinyCollectives, TinyStatistics
@@ -101,9 +102,32 @@ class Coordinator(Collectives, SyncPrimitives):
         self.watchdog = Watchdog.for_coordinator(self)  # heartbeats + stall inspector
 
     def _add_lane(self, name: str) -> Lane:
-        lane = Lane(self.backend.channel(name))
+        return self.add_lane(self.backend.channel(name))
+
+    def add_lane(self, channel: Any) -> Lane:
+        """Serve `channel` (made collectively, e.g. a process set's) on this engine."""
+        lane = Lane(channel)
         self._engine.lanes.append(lane)
         return lane
+
+    def remove_lane(self, lane: Lane) -> None:
+        """Stop serving a lane with nothing in flight and free its channel."""
+        self._engine.lanes.remove(lane)
+        self.backend.close_channel(lane.transport)
+
+    # -- process sets (asynclock.process_sets) ---------------------------------
+    async def process_set(self, ranks: Iterable[int]) -> Subset:
+        """Collectives among `ranks` only: `(await coord.process_set([0, 2])).api`.
+
+        Every rank calls it, in the same order (it splits a communicator); the
+        others get a `Subset` that refuses calls by name.
+        """
+        self._check_open()
+        return await make_subset(self, ranks)
+
+    async def remove_process_set(self, subset: Subset) -> None:
+        """Finish the set's collectives in flight and free its channel (every member)."""
+        await remove_subset(self, subset)
 
     # -- identity ----------------------------------------------------------------
     @property

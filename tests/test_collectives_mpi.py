@@ -40,7 +40,8 @@ def test_bad_input_errors_on_every_rank(nranks: int) -> None:
     assert_all_ok(job, nranks)
     labels = ["dtype_unsupported", "root", "not_tensor", "after_shutdown", "not_initialized"]
     if nranks > 1:
-        labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "op_name", "kind", "name", "device"]
+        labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "op_name", "kind",
+                   "name", "device"]
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 
@@ -111,3 +112,28 @@ def test_small_path_hands_slow_data_stages_to_the_engine() -> None:
                   env={"ASYNCLOCK_SPIN_US": "50"})
     assert_all_ok(job, 2)
     assert job.ok_lines("mid_size") == {0, 1}, job.explain()
+
+
+@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
+def test_process_sets_async_api(nranks: int, loop: str) -> None:
+    """Sets beside the world: values, set-numbered roots, non-members refused by name,
+    a mismatch inside a set, removal."""
+    job = run_job("process_sets.py", nranks, *(["--trio"] if loop == "trio" else []),
+                  timeout=120)
+    assert_all_ok(job, nranks)
+    assert job.ok_lines("async_api") == set(range(nranks)), job.explain()
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_process_sets_horovod_api(nranks: int) -> None:
+    """hvd.ProcessSet, init(process_sets=...), add/remove, process_set= on collectives;
+    root_rank stays a world rank, as in Horovod."""
+    job = run_job("process_sets.py", nranks, "--hvd", timeout=120)
+    assert_all_ok(job, nranks)
+    assert job.ok_lines("hvd_api") == set(range(nranks)), job.explain()
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_process_sets_other_mpi(kind: str) -> None:
+    job = run_job("process_sets.py", 3, timeout=120, kind=kind)
+    assert_all_ok(job, 3)

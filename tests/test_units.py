@@ -149,3 +149,32 @@ def test_wait_thread_holds_no_buffer_once_idle_and_is_joined() -> None:
     ref, alive_while_running = anyio.run(main)
     assert not alive_while_running, "the idle wait thread still references the last buffer"
     assert not [t for t in threading.enumerate() if t.name == "asynclock-wait"]
+
+
+def test_process_set_ranks_are_checked_and_sorted() -> None:
+    from asynclock.errors import InvalidInputError
+    from asynclock.process_sets import Subset, normalise
+
+    assert normalise([2, 0, 2], 3) == (0, 2)
+    for bad in ([], [3], [-1, 0]):
+        with pytest.raises(InvalidInputError, match="a process set needs ranks in 0..2"):
+            normalise(bad, 3)
+    outside = Subset((0, 2), 1, 7, None, None)
+    assert (outside.size, outside.rank, outside.included) == (2, -1, False)
+    with pytest.raises(InvalidInputError, match="rank 1 is not in process set"):
+        outside.api  # noqa: B018
+    with pytest.raises(InvalidInputError, match="root rank 1 is not in process set"):
+        outside.set_rank(1)
+    assert Subset((0, 2), 2, 7, None, None).set_rank(2) == 1
+
+
+def test_header_text_for_a_rejected_op() -> None:
+    """A rank that rejected its op sends op 0: the message still renders, once numbered."""
+    rows = np.zeros((2, WORDS), np.int64)
+    for r, (op, fault) in enumerate(((int(ReduceOp.SUM), 0), (0, int(InputFault.BAD_ARGUMENT)))):
+        slot = np.zeros(SLOT_WORDS, np.int64)
+        pack(Call(Kind.ALLREDUCE, 4, op=op, fault=fault), slot)
+        rows[r] = slot[:WORDS]
+    with pytest.raises(RemoteInputError,
+                       match=r"^collective #4 allreduce\(\?\) rejected input on rank 1: invalid"):
+        check(rows, Kind.ALLREDUCE)

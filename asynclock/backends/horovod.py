@@ -357,6 +357,11 @@ class HorovodBackend:
         self._channels.append(ch)
         return ch
 
+    def close_channel(self, channel: Any) -> None:
+        if channel in self._channels:
+            self._channels.remove(channel)
+            channel.close()
+
     def describe(self) -> str:
         import horovod
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +90,12 @@ class LocalBackend:
 
     def channel(self, name: str) -> LocalChannel:
         return LocalChannel(name)
+
+    def subchannel(self, name: str, ranks: tuple[int, ...]) -> LocalChannel:
+        return LocalChannel(name)  # the only possible set is [0]
+
+    def close_channel(self, channel: Any) -> None:
+        return None
 
     def describe(self) -> str:
         return "local (world size 1, no MPI)"

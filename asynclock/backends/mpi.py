@@ -156,6 +156,27 @@ class MPIBackend:
         self._channels.append(ch)
         return ch
 
+    def subchannel(self, name: str, ranks: tuple[int, ...]) -> MPIChannel | None:
+        """A process set's channel (`asynclock.process_sets`): collective over the
+        world, in the same order everywhere; None on ranks outside the set."""
+        MPI = _mpi()
+        member = self.rank in ranks
+        sub = self.world.Split(0 if member else MPI.UNDEFINED, self.rank)
+        if not member:
+            return None
+        try:
+            ch = MPIChannel(sub, name)
+        finally:
+            sub.Free()
+        self._channels.append(ch)
+        return ch
+
+    def close_channel(self, channel: Any) -> None:
+        """Free one channel's communicators (its members, once nothing is in flight)."""
+        if channel in self._channels:
+            self._channels.remove(channel)
+            channel.close()
+
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"

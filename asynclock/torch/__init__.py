@@ -60,6 +60,15 @@ from .params import (
     broadcast_parameters,
     broadcast_parameters_async,
 )
+from .process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    process_set_by_id,
+    process_sets,
+    remove_process_set,
+    setup_at_init,
+)
 from .reducer import quiesce_all, stop_workers
 from .step import TrainStep, TrainStepStatistics, train_step
 from .tracing import trace_module
@@ -68,10 +77,11 @@ Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Horovod's `hvd.init()`: start this rank's coordinator (idempotent)."""
-    if process_sets not in (None, "dynamic") and process_sets:
-        raise NotImplementedError("process sets are not supported by asynclock")
+    """Horovod's `hvd.init()`: start this rank's coordinator (idempotent), then make
+    `process_sets` (a list of `ProcessSet`, or "dynamic" for `add_process_set` later,
+    which asynclock always allows)."""
     runtime.init(comm=comm, policy=training_policy())
+    setup_at_init(process_sets)
 
 
 def shutdown() -> None:
@@ -122,7 +132,9 @@ def is_homogeneous() -> bool:
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "Max", "Min",
-    "Product", "ReduceOp", "Sum", "TrainStep", "TrainStepStatistics", "Tuning", "allgather",
+    "ProcessSet", "Product", "ReduceOp", "Sum", "add_process_set", "global_process_set",
+    "process_set_by_id", "process_sets", "remove_process_set", "TrainStep",
+    "TrainStepStatistics", "Tuning", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",

@@ -21,6 +21,7 @@ from .. import runtime
 from ..handle import Handle
 from ..ops import ReduceOp, as_reduce_op
 from .compression import Compression
+from .process_sets import api_of, root_of
 
 Post = Callable[[Any], Any]
 _handles: dict[int, tuple[Handle, Post]] = {}
@@ -79,8 +80,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     work, ctx = compression.compress(tensor)
     if prescale_factor != 1.0:
         work = work * prescale_factor
-    coord = runtime.coordinator()
-    handle = _start(lambda: coord.allreduce_async(work.contiguous(), rop, name=name))
+    api = api_of(process_set)
+    handle = _start(lambda: api.allreduce_async(work.contiguous(), rop, name=name))
 
     def post(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)
@@ -95,7 +96,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               process_set: Any = None) -> torch.Tensor:
     """The reduction of `tensor` over all ranks, as a new tensor."""
     return synchronize(allreduce_async(tensor, average, name, compression, op,  # type: ignore[no-any-return]
-                                       prescale_factor, postscale_factor))
+                                       prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -103,7 +104,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      process_set: Any = None) -> int:
     """In-place variant: `synchronize` writes the result into `tensor` and returns it."""
     n = allreduce_async(tensor, average, name, Compression.none, op, prescale_factor,
-                        postscale_factor)
+                        postscale_factor, process_set)
     handle, post = _handles[n]
     _handles[n] = (handle, lambda out: tensor.copy_(post(out)))
     return n
@@ -113,7 +114,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
     return synchronize(allreduce_async_(tensor, average, name, op,  # type: ignore[no-any-return]
-                                        prescale_factor, postscale_factor))
+                                        prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
@@ -122,54 +123,55 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
     """Allreduce each tensor (all in flight together)."""
     handles = [allreduce_async(t, average, f"{name}.{n}" if name else None, compression, op,
-                               prescale_factor, postscale_factor) for n, t in enumerate(tensors)]
+                               prescale_factor, postscale_factor, process_set)
+               for n, t in enumerate(tensors)]
     return [synchronize(h) for h in handles]
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
-    coord = runtime.coordinator()
-    return _register(_start(lambda: coord.allgather_async(tensor.contiguous(), name=name)),
+    api = api_of(process_set)
+    return _register(_start(lambda: api.allgather_async(tensor.contiguous(), name=name)),
                      lambda out: out)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Any:
     """Every rank's tensor concatenated along dim 0 (dim 0 may differ per rank)."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> int:
-    coord = runtime.coordinator()
-    return _register(_start(lambda: coord.broadcast_async(tensor.contiguous(), root_rank,
-                                                          name=name)), lambda out: out)
+    api, root = api_of(process_set), root_of(process_set, root_rank)
+    return _register(_start(lambda: api.broadcast_async(tensor.contiguous(), root, name=name)),
+                     lambda out: out)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> Any:
     """Root's tensor, as a new tensor on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> int:
-    coord = runtime.coordinator()
-    return _register(_start(lambda: coord.broadcast_async_(tensor, root_rank, name=name)),
+    api, root = api_of(process_set), root_of(process_set, root_rank)
+    return _register(_start(lambda: api.broadcast_async_(tensor, root, name=name)),
                      lambda out: tensor)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> Any:
     """Overwrite `tensor` with root's, in place."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = None) -> Any:
     """Send `splits[r]` rows to rank r; with `splits`, also return the received splits."""
-    coord = runtime.coordinator()
+    api = api_of(process_set)
     split_list = None if splits is None else [int(s) for s in splits]
-    out, received = _wait(_start(lambda: coord.alltoall_async(tensor.contiguous(), split_list,
+    out, received = _wait(_start(lambda: api.alltoall_async(tensor.contiguous(), split_list,
                                                              name=name)))
     return out if splits is None else (out, torch.tensor(received, dtype=torch.int32))
 
@@ -177,8 +179,8 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
                   op: Any = ReduceOp.AVERAGE, process_set: Any = None) -> Any:
     """This rank's slice (dim 0, first ranks larger) of the reduction."""
-    coord = runtime.coordinator()
-    return _wait(_start(lambda: coord.reduce_scatter_async(tensor.contiguous(), _reduce_op(
+    api = api_of(process_set)
+    return _wait(_start(lambda: api.reduce_scatter_async(tensor.contiguous(), _reduce_op(
         None, op), name=name)))
 
 
@@ -193,19 +195,19 @@ def _wait(handle: Handle) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
     """Root's picklable object on every rank."""
-    coord = runtime.coordinator()
-    return coord.run_sync(lambda: coord.broadcast_object(obj, root_rank, name=name))
+    api, root = api_of(process_set), root_of(process_set, root_rank)
+    return runtime.coordinator().run_sync(lambda: api.broadcast_object(obj, root, name=name))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    coord = runtime.coordinator()
-    return coord.run_sync(lambda: coord.allgather_object(obj, name=name))
+    api = api_of(process_set)
+    return runtime.coordinator().run_sync(lambda: api.allgather_object(obj, name=name))
 
 
 def barrier(process_set: Any = None) -> None:
-    coord = runtime.coordinator()
-    coord.run_sync(coord.barrier)
+    api = api_of(process_set)
+    runtime.coordinator().run_sync(api.barrier)
 
 
 def join(device: int = -1) -> int:

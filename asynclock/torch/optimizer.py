@@ -191,5 +191,6 @@ def _check_unsupported(op: Any, sparse_as_dense: bool, process_set: Any) -> None
     if isinstance(op, str) and op.lower() == "adasum":
         raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
     if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets other than the global one are not supported")
+        raise NotImplementedError("DistributedOptimizer averages over all ranks only; within a "
+                                  "process set use hvd.allreduce(..., process_set=...)")
     del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed

@@ -1,0 +1,111 @@
+"""Collectives among a subset of ranks (Horovod's process sets), on a channel of their own.
+
+Making a set is collective over the whole world, in the same order on every
+rank: the backend splits its world communicator, each member duplicates its
+part into a private channel (header, data, point-to-point and bulk
+communicators), and that channel becomes one more lane of the rank's engine.
+Members get the whole collective API on it (`LaneCollectives`: checked
+headers, the small-message path, stall reports); ranks are numbered within
+the set there, so a mismatch message names set ranks. Ranks outside get a
+`Subset` whose every use says, by name, that they are not in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from .errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from .operation import Lane
+    from .runtime import Coordinator, LaneCollectives
+
+
+class Subset:
+    """A fixed group of world ranks; `api` is its collective API on members."""
+
+    def __init__(self, ranks: tuple[int, ...], world_rank: int, ident: int,
+                 api: LaneCollectives | None, lane: Lane | None) -> None:
+        self.ranks, self.ident = ranks, ident
+        self._world_rank, self._api, self.lane = world_rank, api, lane
+        self.removed = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This rank's number within the set; -1 outside it."""
+        return self.ranks.index(self._world_rank) if self.included else -1
+
+    @property
+    def included(self) -> bool:
+        return self._world_rank in self.ranks
+
+    @property
+    def api(self) -> LaneCollectives:
+        """The collectives among the set's ranks (members only, until removed)."""
+        if self.removed:
+            raise InvalidInputError(f"process set {list(self.ranks)} was removed")
+        if self._api is None:
+            raise InvalidInputError(f"rank {self._world_rank} is not in process set "
+                                    f"{list(self.ranks)}: only its members may call its "
+                                    "collectives")
+        return self._api
+
+    def set_rank(self, world_rank: int) -> int:
+        """A world rank (Horovod's `root_rank`) as a rank within the set."""
+        if world_rank not in self.ranks:
+            raise InvalidInputError(f"root rank {world_rank} is not in process set "
+                                    f"{list(self.ranks)}")
+        return self.ranks.index(world_rank)
+
+    def __repr__(self) -> str:
+        return f"<Subset #{self.ident} ranks={list(self.ranks)} rank={self.rank}>"
+
+
+_ids = itertools.count(1)  # ids agree across ranks: sets are made in the same order
+
+
+def normalise(ranks: Iterable[int], size: int) -> tuple[int, ...]:
+    """Sorted distinct world ranks; refuse empty sets and ranks outside the world."""
+    out = tuple(sorted({int(r) for r in ranks}))
+    if not out or out[0] < 0 or out[-1] >= size:
+        raise InvalidInputError(f"a process set needs ranks in 0..{size - 1}, got {list(out)}")
+    return out
+
+
+async def make_subset(coord: Coordinator, ranks: Iterable[int]) -> Subset:
+    """Every world rank calls this, in the same order (it splits a communicator)."""
+    chosen = normalise(ranks, coord.size)
+    ident = next(_ids)
+    channel = await _split(coord.backend, f"set{ident}", chosen)
+    if channel is None:
+        return Subset(chosen, coord.rank, ident, None, None)
+    lane = coord.add_lane(channel)
+    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane)
+
+
+async def _split(backend: Any, name: str, ranks: tuple[int, ...]) -> Any:
+    """The members' channel (None elsewhere); off the loop where MPI allows threads."""
+    split = getattr(backend, "subchannel", None)
+    if split is None:
+        raise NotImplementedError(f"process sets need the MPI backend (this is {backend.name})")
+    if getattr(backend, "thread_level", 0) >= 3:  # MPI_THREAD_MULTIPLE
+        return await anyio.to_thread.run_sync(split, name, ranks)
+    return split(name, ranks)
+
+
+async def remove_subset(coord: Coordinator, subset: Subset) -> None:
+    """Members finish what is in flight, then free the set's channel; idempotent."""
+    if subset.removed:
+        return
+    subset.removed = True
+    if subset.lane is not None:
+        await coord.drain()
+        coord.remove_lane(subset.lane)
