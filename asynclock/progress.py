@@ -107,6 +107,7 @@ class Engine:
         self._waiter: _WaitThread | None = None
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
+        self.eager_until = 0.0  # poll tightly until then (a blocked synchronous caller)
         self.failure: BaseException | None = None  # set by fail_all: the job is over
         # Observer hook (asynclock.timeline.attach): ("issue" | "data" | "done", op,
         # time.perf_counter()). Each call site tests for None, so off costs nothing.
@@ -243,8 +244,9 @@ class Engine:
                 # would just contend for the GIL the thread needs to return.
                 await self._sleep_until_woken(self.policy.max_sleep_s)
                 continue
-            waited = time.perf_counter() - self._last_progress
-            if waited < self.policy.busy_s:
+            now = time.perf_counter()
+            waited = now - self._last_progress
+            if waited < self.policy.busy_s or now < self.eager_until:
                 await anyio.sleep(0)
             else:
                 await self._sleep_until_woken(self._idle_sleep(waited))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -32,6 +33,8 @@ from .watchdog import Watchdog
 
 log = logging.getLogger("asynclock")
 T = TypeVar("T")
+# How long the poller tests tightly after a synchronous (Horovod-style) call starts.
+SYNC_EAGER_S = 5e-3
 
 _HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER")
 
@@ -221,8 +224,18 @@ class Coordinator(Collectives, SyncPrimitives):
 
     # -- synchronous use (Horovod style) ------------------------------------------
     def run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run `fn(*args)` on the engine's private loop thread and wait for it."""
-        return self._sync_portal().call(fn, *args)
+        """Run `fn(*args)` on the engine's private loop thread and wait for it.
+
+        The caller's thread is blocked meanwhile, so latency is all that counts:
+        the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
+        1 ms sleeps (hvd.allreduce of 4 B at 2 ranks: 1.6 ms with backoff).
+        """
+        result: T = self._sync_portal().call(self._eagerly, fn, *args)
+        return result
+
+    async def _eagerly(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        self._engine.eager_until = time.perf_counter() + SYNC_EAGER_S
+        return await fn(*args)
 
     def _sync_portal(self) -> anyio.from_thread.BlockingPortal:
         self._check_open()
