@@ -180,7 +180,7 @@ class TinyCollectives:
         last = self._last
         if (obj is last.tensor and obj.data_ptr() == last.ptr and obj.dtype is last.dtype
                 and obj.is_cpu and obj.shape == last.view[2] and obj.is_contiguous()):
-            return last.view  # LastTensor.same_memory, inlined
+            return last.view  # the same memory: see LastTensor
         view = _view(obj, inplace)
         if view is not None and type(obj) is not np.ndarray and view[0].nbytes <= INLINE_BYTES:
             self._last = LastTensor(obj, view)
@@ -334,8 +334,9 @@ class LastTensor:
     """The last small tensor seen and its numpy view: `tensor.numpy()` plus its
     checks are a third of this path's cost, and loops pass the same tensor.
 
-    The view is reused only while the tensor's memory is provably the same:
-    data pointer, shape, dtype, contiguity and device (`set_`, `.data =`,
+    The view is reused only while the tensor's memory is provably the same
+    (checked in `TinyCollectives._view`, inline on the hot path): data pointer,
+    shape, dtype, contiguity and device (`set_`, `.data =`,
     `resize_` and in-place transposes all change one of them). Only tensors
     that took this path (<= INLINE_BYTES) are held, so nothing big is kept alive.
     """
@@ -346,10 +347,6 @@ class LastTensor:
         self.tensor, self.view = tensor, view
         self.ptr = tensor.data_ptr() if tensor is not None else 0
         self.dtype = tensor.dtype if tensor is not None else None
-
-    def same_memory(self, t: Any) -> bool:
-        return (t.data_ptr() == self.ptr and t.dtype is self.dtype and t.is_cpu
-                and t.shape == self.view[2] and t.is_contiguous())
 
 
 _BINARY = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,

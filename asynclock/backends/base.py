@@ -99,6 +99,13 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
+def close_channel_of(channels: list[Any], channel: Any) -> None:
+    """A backend's `close_channel`: free `channel` once, if the backend made it."""
+    if channel in channels:
+        channels.remove(channel)
+        channel.close()
+
+
 class Deferred:
     """A blocking call, run by the engine's wait thread in FIFO order.
 

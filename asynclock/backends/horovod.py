@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import BackendError
 from ..ops import DTYPE_CODES, ReduceOp
-from .base import DONE, Array, Request
+from .base import DONE, Array, Request, close_channel_of
 from .mailbox import AGREE, DATA, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
 
@@ -358,9 +358,7 @@ class HorovodBackend:
         return ch
 
     def close_channel(self, channel: Any) -> None:
-        if channel in self._channels:
-            self._channels.remove(channel)
-            channel.close()
+        close_channel_of(self._channels, channel)
 
     def describe(self) -> str:
         import horovod

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import HALF_CODES, ReduceOp
-from .base import Array, Deferred, Request
+from .base import Array, Deferred, Request, close_channel_of
 from .ring import ring_allreduce_half
 
 
@@ -173,9 +173,7 @@ class MPIBackend:
 
     def close_channel(self, channel: Any) -> None:
         """Free one channel's communicators (its members, once nothing is in flight)."""
-        if channel in self._channels:
-            self._channels.remove(channel)
-            channel.close()
+        close_channel_of(self._channels, channel)
 
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
