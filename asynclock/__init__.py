@@ -9,12 +9,13 @@ Importing asynclock initialises nothing: MPI starts at `init()`/`start()`.
 from __future__ import annotations
 
 from .checkpoint import Checkpointer, CheckpointError, find_latest
-from .data import Join, ShardSampler
+from .data import ShardSampler
 from .errors import (
     AsynclockError,
     BackendError,
     CollectiveTimeout,
     InvalidInputError,
+    JoinedError,
     MismatchError,
     NotInitializedError,
     RankFailedError,
@@ -51,6 +52,7 @@ __all__ = [
     "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
     "size", "start",
     # cross-rank primitives, checkpoints, data (issue 5)
-    "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "Join", "Lock",
+    "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "JoinedError",
+    "Lock",
     "Semaphore", "Sequential", "ShardSampler", "find_latest",
 ]

@@ -57,8 +57,10 @@ class AllreduceOp(Operation):
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
         a = self.buf.array
         if a.nbytes <= INLINE_BYTES:
-            fold(_rows_of(payload, self.buf.code, a.size), self.buf.code, self.op,
-                 self.lane.size, self.out)
+            rows_in = _rows_of(payload, self.buf.code, a.size)
+            if self.joined:  # joined ranks sent no data: fold the others' (average: / size)
+                rows_in = np.delete(rows_in, self.joined, axis=0)
+            fold(rows_in, self.buf.code, self.op, self.lane.size, self.out)
             return []
         self.stage_bytes = a.nbytes
         if self.buf.code in HALF_CODES:

@@ -1,4 +1,4 @@
-"""Data-parallel input: consistent sharding per epoch, and joins for uneven ends.
+"""Data-parallel input: consistent sharding per epoch.
 
 `ShardSampler` gives every rank its share of one permutation that all ranks
 compute alike from `(seed, epoch)`, with no communication; with torch
@@ -6,32 +6,20 @@ available it reproduces `torch.utils.data.DistributedSampler` index for
 index (padding by wrapping round, or dropping the tail), so switching to
 asynclock keeps the data order.
 
-`Join` handles ranks that run out of batches first (hvd.join / DDP Join):
-every allreduce issued through it is preceded by a tiny descriptor
-allgather in which active ranks say what they reduce and joined ranks say
-they are done. A joined rank, looping in `join()`, answers each active
-round with the operation's identity (zeros for sum/average), so the
-active ranks' collectives complete and their averages divide by the full
-world size, as in Horovod. `join()` returns, on every rank, the last rank
-to join (the highest rank among those that joined in the last round).
+Uneven ends (ranks that run out of batches first) are `coord.join()`
+(`asynclock.join`): joined ranks stand in for every allreduce the others issue.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import MismatchError
-from .ops import BFLOAT16, DTYPE_NAMES, NUMPY_OF_CODE, ReduceOp, as_reduce_op
-from .tensors import as_buffer
-
 if TYPE_CHECKING:
-    from .collectives import Collectives
     from .runtime import Coordinator
 
 
@@ -122,107 +110,3 @@ def _pick_generator(name: str) -> str:
     except ImportError:
         return "numpy"
     return "torch"
-
-
-# -- join ----------------------------------------------------------------------------
-_ACTIVE, _JOINED = 1, 0
-_WORDS = 5  # state, dtype code, op, numel, crc32(name)
-
-
-class Join:
-    """Allreduces that tolerate ranks with fewer batches; `await join()` at the end."""
-
-    def __init__(self, coord: Coordinator, api: Collectives | None = None) -> None:
-        self._api: Collectives = api if api is not None else coord
-        self.rank, self.size = coord.rank, coord.size
-        self._reset()
-
-    def _reset(self) -> None:
-        self._round = 0
-        self._joined_at: dict[int, int] = {}
-
-    async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
-                        name: str | None = None) -> Any:
-        """Out-of-place allreduce; joined ranks contribute the op's identity."""
-        rop = await self._announce(tensor, op, name)
-        flat = await self._api.allreduce(_flat(tensor), rop, name="join")
-        return flat.reshape(tensor.shape)
-
-    async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
-                         name: str | None = None) -> Any:
-        """In-place allreduce (tensor must be contiguous); returns `tensor`."""
-        rop = await self._announce(tensor, op, name)
-        await self._api.allreduce_(_flat(tensor), rop, name="join")
-        return tensor
-
-    async def _announce(self, tensor: Any, op: ReduceOp | str, name: str | None) -> ReduceOp:
-        rop = as_reduce_op(op)
-        buf = as_buffer(tensor)
-        desc = [_ACTIVE, buf.code, int(rop), buf.array.size, zlib.crc32((name or "").encode())]
-        self._check(await self._exchange(desc))
-        return rop
-
-    async def join(self) -> int:
-        """This rank is out of data: shadow the others until all joined; returns
-        the last rank to join (same value on every rank)."""
-        while True:
-            rows = await self._exchange([_JOINED] + [0] * (_WORDS - 1))
-            active = rows[rows[:, 0] == _ACTIVE]
-            if not len(active):
-                last = self._last()
-                self._reset()
-                return last
-            self._check(rows)
-            code, op, numel = (int(v) for v in active[0, 1:4])
-            await self._api.allreduce_(_identity(code, ReduceOp(op), numel), ReduceOp(op),
-                                       name="join")
-
-    async def _exchange(self, desc: list[int]) -> np.ndarray[Any, Any]:
-        """One small allgather: every rank's state and what it reduces this round."""
-        rows: np.ndarray[Any, Any] = await self._api.allgather(
-            np.array([desc], np.int64), name="join.round")
-        for r in np.flatnonzero(rows[:, 0] == _JOINED):
-            self._joined_at.setdefault(int(r), self._round)
-        self._round += 1
-        return rows
-
-    def _check(self, rows: np.ndarray[Any, Any]) -> None:
-        """Active ranks must reduce the same dtype, op, size and name."""
-        active = np.flatnonzero(rows[:, 0] == _ACTIVE)
-        first = rows[active[0], 1:]
-        bad = [int(r) for r in active if (rows[r, 1:] != first).any()]
-        if bad:
-            parts = [f"rank {int(r)}: {_describe(rows[r])}" for r in active]
-            raise MismatchError("ranks in a join reduce different tensors: " + "; ".join(parts))
-
-    def _last(self) -> int:
-        final = max(self._joined_at.values())
-        return max(r for r, at in self._joined_at.items() if at == final)
-
-
-def _flat(tensor: Any) -> Any:
-    return tensor.reshape(-1)
-
-
-def _describe(row: np.ndarray[Any, Any]) -> str:
-    return (f"{DTYPE_NAMES[int(row[1])]}[{int(row[3])}] op={ReduceOp(int(row[2])).name.lower()}"
-            f" name#{int(row[4]):08x}")
-
-
-def _identity(code: int, op: ReduceOp, numel: int) -> Any:
-    """What a joined rank contributes: leaves every active rank's result unchanged
-    (zeros for sum and average, where averages then divide by the world size)."""
-    if code == BFLOAT16:
-        import torch
-
-        value = {ReduceOp.MIN: math.inf, ReduceOp.MAX: -math.inf, ReduceOp.PRODUCT: 1.0}
-        return torch.full((numel,), value.get(op, 0.0), dtype=torch.bfloat16)
-    dtype = NUMPY_OF_CODE[code]
-    if op is ReduceOp.PRODUCT:
-        return np.ones(numel, dtype)
-    if op in (ReduceOp.MIN, ReduceOp.MAX):
-        info: Any = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        high = np.inf if dtype.kind == "f" else info.max
-        low = -np.inf if dtype.kind == "f" else info.min
-        return np.full(numel, high if op is ReduceOp.MIN else low, dtype)
-    return np.zeros(numel, dtype)

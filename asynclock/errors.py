@@ -30,6 +30,11 @@ class MismatchError(AsynclockError):
     """
 
 
+class JoinedError(AsynclockError):
+    """A collective that joined ranks cannot stand in for (only allreduce and
+    barrier can), raised on every rank; the joined ranks keep serving."""
+
+
 class RemoteInputError(AsynclockError):
     """Another rank rejected its own input for the collective we share."""
 

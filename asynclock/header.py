@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import MismatchError, RemoteInputError
+from .errors import JoinedError, MismatchError, RemoteInputError
 from .ops import DTYPE_NAMES, Kind, ReduceOp
 from .tensors import FAULT_TEXT, InputFault
 
@@ -33,6 +33,10 @@ MAGIC = 0x41534C4B0001  # "ASLK" + format version
 (W_MAGIC, W_SEQ, W_KIND, W_OP, W_DTYPE, W_ROOT, W_NAME, W_FAULT, W_NBYTES, W_DIM0,
  W_NDIM, W_TAIL, W_D1, W_D2, W_D3, W_D4, W_LABEL, W_LABEL2) = range(WORDS)
 
+# W_ROOT flag of an allreduce or barrier that a joined rank cannot stand in for
+EVERY_RANK = 1
+STAND_IN = frozenset({Kind.ALLREDUCE, Kind.BARRIER})
+
 _COMMON = (W_MAGIC, W_SEQ, W_KIND, W_NAME)
 _MATCH: dict[Kind, tuple[int, ...]] = {
     Kind.ALLREDUCE: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
@@ -44,6 +48,7 @@ _MATCH: dict[Kind, tuple[int, ...]] = {
     Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
     Kind.ALLGATHER_OBJECT: _COMMON,
     Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
+    Kind.JOIN: _COMMON,  # W_OP: the rank's join mark (see `asynclock.join`)
 }
 
 
@@ -110,15 +115,46 @@ def agree(recv: np.ndarray[Any, Any], size: int) -> bool:
     return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first for r in range(1, size))
 
 
-def check(rows: np.ndarray[Any, Any], kind: Kind) -> None:
-    """Raise the same error on every rank unless all headers agree."""
+def check(rows: np.ndarray[Any, Any], kind: Kind) -> tuple[int, ...]:
+    """Raise the same error on every rank unless all headers agree.
+
+    Returns the ranks that joined (`Kind.JOIN`) and stand in for this call,
+    usually none: the verdict depends on the rows alone, so every rank,
+    joined or not, reaches the same one.
+    """
     faults = np.flatnonzero(rows[:, W_FAULT])
     if faults.size:
         raise RemoteInputError(_fault_text(rows, faults))
-    cols = _MATCH[kind]
-    sub = rows[:, cols]
+    joined = rows[:, W_KIND] == int(Kind.JOIN)
+    if joined.any() and not joined.all():
+        return _stand_ins(rows, joined)
+    _compare(rows, rows, kind)
+    return ()
+
+
+def _compare(rows: np.ndarray[Any, Any], every: np.ndarray[Any, Any], kind: Kind) -> None:
+    """`rows` agree on what `kind` must match; the error text names `every` row."""
+    sub = rows[:, _MATCH[kind]]
     if not (sub == sub[0]).all():
+        raise MismatchError(mismatch_text(every))
+
+
+def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tuple[int, ...]:
+    """Some ranks joined: the rest agree among themselves, in step with the joined
+    ranks, on a call a joined rank can stand in for (identity data)."""
+    if (rows[:, W_MAGIC] != MAGIC).any() or (rows[:, W_SEQ] != rows[0, W_SEQ]).any():
         raise MismatchError(mismatch_text(rows))
+    active = rows[~joined]
+    kind = Kind(int(active[0, W_KIND]))
+    _compare(active, rows, kind)
+    ranks = tuple(int(r) for r in np.flatnonzero(joined))
+    if kind in STAND_IN and not int(active[0, W_ROOT]) & EVERY_RANK:
+        return ranks
+    who = _ranks(list(ranks)) + (" has" if len(ranks) == 1 else " have")
+    why = ("it needs every rank's own data (shared-memory gradient rounds; "
+           "ASYNCLOCK_SHM=0 reduces gradients over MPI instead)"
+           if kind in STAND_IN else "a joined rank stands in only for allreduce and barrier")
+    raise JoinedError(f"collective {_describe(active[0])} cannot run while {who} joined: {why}")
 
 
 def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:

@@ -66,7 +66,8 @@ class Operation:
 
     threaded_min_bytes = 0  # set by the engine's policy
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
-                 "thread_done", "result", "error", "waiter", "issued_at", "detached", "_recv")
+                 "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
+                 "_recv")
 
     def __init__(self, lane: Lane, call: Call) -> None:
         self.lane = lane
@@ -82,6 +83,7 @@ class Operation:
         self.waiter: anyio.Event | None = None
         self.issued_at = 0.0
         self.detached = False
+        self.joined: tuple[int, ...] = ()  # ranks that stand in (asynclock.join)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +138,7 @@ class Operation:
         rows = self._recv.reshape(self.lane.size, SLOT_WORDS)
         if not agree(self._recv, self.lane.size):
             try:
-                check(rows[:, :WORDS], self.call.kind)
+                self.joined = check(rows[:, :WORDS], self.call.kind)
             except AsynclockError as exc:
                 self.fail(exc)
                 return

@@ -54,6 +54,7 @@ class Kind(enum.IntEnum):
     BROADCAST_OBJECT = 7
     ALLGATHER_OBJECT = 8
     AGREE = 9
+    JOIN = 10  # a rank that called join(): stands in for others' allreduces and barriers
 
 
 # dtype codes: index into this table travels in headers.

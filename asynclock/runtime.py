@@ -24,6 +24,7 @@ from .backends.base import Backend
 from .collectives import Collectives
 from .config import agree_config
 from .errors import NotInitializedError, ShutdownError
+from .join import join_lanes
 from .operation import Lane
 from .process_sets import Subset, make_subset, remove_subset
 from .progress import Engine, EngineStatistics, ProgressPolicy
@@ -117,6 +118,14 @@ class Coordinator(Collectives, SyncPrimitives):
         """Stop serving a lane with nothing in flight and free its channel."""
         self._engine.lanes.remove(lane)
         self.backend.close_channel(lane.transport)
+
+    async def join(self) -> int:
+        """This rank has no more data: until every rank has joined, stand in for
+        the others' allreduces (identity data: zeros for sum and average) and
+        barriers; returns the rank that joined last. Horovod's `hvd.join()`,
+        DDP's `Join` (`asynclock.join`)."""
+        self._check_open()
+        return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane])
 
     # -- process sets (asynclock.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:

@@ -188,8 +188,9 @@ class TinyCollectives:
 
     def _exchange(self, sig: Signature, payload: bytes) -> Any:
         """Issue the header round and spin: None once it completed and every rank
-        agreed (else the general path's error is raised), or the request still
-        in flight. Kept flat: each Python call costs ~0.15 us here."""
+        agreed (else the general path's error is raised), or the request: still
+        in flight, or finished with joined ranks standing in. Kept flat: each
+        Python call costs ~0.15 us here."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
         seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
@@ -201,13 +202,14 @@ class TinyCollectives:
         while not req.Test():
             if time.perf_counter() >= deadline:
                 return req
-        self._engine.count_synchronous(issued_at)
         if self._pair:  # the common case, inlined: ranks 0 and 1 sent the same header
             raw = self._recv.tobytes()
-            if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES]:
-                self._check(sig)
-        elif self._size > 2 and not self._agree():
-            self._check(sig)
+            if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES] and \
+                    self._check(sig):
+                return req  # finished, but a rank joined: the general path folds it
+        elif self._size > 2 and not self._agree() and self._check(sig):
+            return req
+        self._engine.count_synchronous(issued_at)
         return None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, inplace: bool,
@@ -229,9 +231,10 @@ class TinyCollectives:
         return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
                    for r in range(1, self._size))
 
-    def _check(self, sig: Signature) -> None:
-        """Headers differ: raise the general path's error (same text on every rank)."""
-        check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], sig.call.kind)
+    def _check(self, sig: Signature) -> tuple[int, ...]:
+        """Headers differ: raise the general path's error (same text on every rank),
+        or name the ranks that joined and stand in (`asynclock.join`)."""
+        return check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], sig.call.kind)
 
     # -- slow edges ---------------------------------------------------------------
     def _remember(self, key: tuple[Any, ...], sig: Signature | None) -> Signature | None:

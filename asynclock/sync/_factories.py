@@ -18,7 +18,6 @@ from .semaphore import Semaphore
 from .sequential import Sequential
 
 if TYPE_CHECKING:
-    from ..data import Join
     from ..runtime import Coordinator
 
 
@@ -26,7 +25,6 @@ class SyncPrimitives:
     """Mixin for Coordinator: `coord.lock(name)` and friends."""
 
     _sync: SyncService | None = None
-    _join: Join | None = None
 
     def _me(self) -> Coordinator:
         return self  # type: ignore[return-value]
@@ -75,15 +73,3 @@ class SyncPrimitives:
                                             lambda: ConsistencyPoint(self._me(), name))
         return point
 
-    def joiner(self) -> Join:
-        """This coordinator's `asynclock.data.Join` (allreduces for uneven data)."""
-        if self._join is None:
-            from ..data import Join
-
-            self._join = Join(self._me())
-        return self._join
-
-    async def join(self) -> int:
-        """This rank ran out of data (like hvd.join): shadow the others' `joiner()`
-        allreduces until every rank joined; returns the last rank to join."""
-        return await self.joiner().join()

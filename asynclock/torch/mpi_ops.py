@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -228,13 +227,10 @@ def barrier(process_set: Any = None) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank called `join()`; return the rank that joined last.
-
-    Unlike Horovod, ranks that joined do not stand in (with zeros) for other
-    ranks' later gradient allreduces: every rank must run the same number of
-    optimizer steps before joining, or the others report a stall.
-    """
+    """Horovod's join: this rank has no more data. Until every rank joined, it
+    stands in for the others' allreduces (zeros; an average still divides by
+    `size()`) and barriers, gradient buckets included; broadcast, allgather and
+    alltoall raise `JoinedError` on every rank meanwhile. Returns the rank that
+    joined last. `device` is accepted for compatibility."""
     coord = runtime.coordinator()
-    stamps = coord.run_sync(lambda: coord.allgather_object((time.time(), coord.rank),
-                                                            name="join"))
-    return int(max(stamps)[1])
+    return int(coord.run_sync(coord.join))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..collective_ops import AllreduceOp, BarrierOp
-from ..header import Call
+from ..header import EVERY_RANK, Call
 from ..operation import Lane
 from ..ops import DTYPE_CODES, Kind, ReduceOp
 from ..progress import Engine
@@ -213,7 +213,7 @@ class ShmTransport:
             rnd.busy, rnd.stage = True, rnd.stage + 1
             call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.MIN),
                         dtype=DTYPE_CODES["int64"], shape=(1,), nbytes=8,
-                        name=f"{tag}.s{rnd.stage}")
+                        name=f"{tag}.s{rnd.stage}", root=EVERY_RANK)
             value = np.array([rnd.launched], np.int64)
             self.engine.submit(_Agree(self.lane, call, value, partial(self._staged, rnd)))
         elif rnd.agreed == rnd.run.size and not rnd.finishing:
@@ -259,7 +259,7 @@ class ShmTransport:
         rnd.run.release(err)
 
     def _barrier(self, name: str, then: Done) -> None:
-        call = Call(Kind.BARRIER, self.lane.next_seq(), name=name)
+        call = Call(Kind.BARRIER, self.lane.next_seq(), name=name, root=EVERY_RANK)
         self.engine.submit(_Barrier(self.lane, call, then))
 
     def _job(self, gather: list[Bucket], reduce: list[Bucket]) -> None:

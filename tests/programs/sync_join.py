@@ -1,7 +1,7 @@
 """Uneven data with join semantics, and per-epoch sharding, on real ranks.
 
 Rank r has `2 + 2r` batches in epoch 0 (reversed in epoch 1); after each
-batch it allreduces through `coord.joiner()`. Ranks that ran out answer
+batch it allreduces; ranks that ran out wait in `coord.join()` and answer
 with the op's identity, so every result equals the reduction over the
 ranks still active in that round. Usage: sync_join.py [--trio]
 """
@@ -27,27 +27,25 @@ def active_ranks(step: int, size: int, epoch: int) -> list[int]:
 
 
 async def run_epoch(c: asynclock.Coordinator, epoch: int) -> int:
-    j = c.joiner()
     for step in range(batches(c.rank, c.size, epoch)):
         live = active_ranks(step, c.size, epoch)
         g = torch.full((3, 4), float(c.rank + 1))
-        total = await j.allreduce(g, name="grad")
+        total = await c.allreduce(g, name="grad")
         assert total.shape == (3, 4) and torch.equal(total, torch.full((3, 4), float(
             sum(r + 1 for r in live)))), (step, total)
-        avg = await j.allreduce(torch.ones(5, dtype=torch.bfloat16), "average")
+        avg = await c.allreduce(torch.ones(5, dtype=torch.bfloat16), "average")
         assert torch.allclose(avg.float(), torch.full((5,), len(live) / c.size), atol=1e-2), avg
         low = np.full(2, 10 + c.rank, np.int32)
-        await j.allreduce_(low, "min")
+        await c.allreduce_(low, "min")
         assert (low == 10 + min(live)).all(), low
-        high = await j.allreduce(np.full(2, -c.rank, np.float64), "max")
+        high = await c.allreduce(np.full(2, -c.rank, np.float64), "max")
         assert (high == -min(live)).all(), high
     return await c.join()
 
 
 async def check_mismatch(c: asynclock.Coordinator) -> None:
-    j = c.joiner()
     try:
-        await j.allreduce(torch.zeros(3 + c.rank))
+        await c.allreduce(torch.zeros(3 + c.rank))
     except asynclock.MismatchError as exc:
         assert "float32[3]" in str(exc) and "float32[4]" in str(exc), exc
     else:

@@ -1,0 +1,188 @@
+"""join(): ranks with less data stand in for the others until every rank joined.
+
+Default: the async API (`await coord.join()`); `--hvd`: Horovod's test pattern
+and a DistributedOptimizer with uneven batches (`--shm` keeps shared-memory
+gradient rounds on: they need every rank, so every rank gets `JoinedError`).
+Rank r runs `2 + r` steps, so rank 0 joins first and the last rank joins last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--hvd" in sys.argv and "--shm" not in sys.argv:
+    os.environ["ASYNCLOCK_SHM"] = "0"
+
+import anyio
+import numpy as np
+import torch
+from _common import report, run
+
+import asynclock
+from asynclock.errors import JoinedError
+
+
+def steps_of(rank: int) -> int:
+    return 2 + rank
+
+
+def active(step: int, size: int) -> list[int]:
+    """The ranks that still have data at `step`."""
+    return [r for r in range(size) if step < steps_of(r)]
+
+
+async def one_step(c: asynclock.Coordinator, step: int) -> None:
+    """Every kind of stand-in, each checked against the ranks still active."""
+    live, n = active(step, c.size), c.size
+    x = float(c.rank + 1 + step)
+    got = await c.allreduce(torch.full((4,), x))  # inline
+    assert torch.equal(got, torch.full((4,), sum(r + 1.0 + step for r in live))), (step, got)
+    big = await c.allreduce(torch.full((70_000,), x), "average")  # data stage: / full size
+    want = sum(r + 1.0 + step for r in live) / n
+    assert torch.allclose(big, torch.full((70_000,), want)), (step, big[:3], want)
+    for op, fn in (("min", min), ("max", max), ("product", np.prod)):
+        small = await c.allreduce(torch.full((3,), x, dtype=torch.float64), op)
+        assert small[0].item() == fn([r + 1.0 + step for r in live]), (op, small)
+        ints = await c.allreduce(torch.full((40,), int(x), dtype=torch.int64), op)
+        assert int(ints[0]) == int(fn([r + 1 + step for r in live])), (op, ints[:2])
+    half = await c.allreduce(torch.full((100_000,), x, dtype=torch.float16))
+    assert float(half[0]) == sum(r + 1.0 + step for r in live), (step, half[:2])
+    await c.barrier()
+
+
+async def check_uneven(c: asynclock.Coordinator) -> None:
+    for step in range(steps_of(c.rank)):
+        await one_step(c, step)
+    last = await c.join()
+    assert last == c.size - 1, (c.rank, last)
+    again = await c.allreduce(torch.ones(2))  # every lane back in step after join
+    assert torch.equal(again, torch.full((2,), float(c.size))), again
+    report(c.rank, "uneven", f"last={last}")
+
+
+async def check_refused(c: asynclock.Coordinator) -> None:
+    """While rank 0 has joined, a broadcast fails on every other rank; rank 0 serves on."""
+    if c.rank == 0:
+        last = await c.join()
+    else:
+        try:
+            await c.broadcast(torch.ones(3), root=1)
+        except JoinedError as exc:
+            assert "cannot run while rank 0 has joined" in str(exc), exc
+            assert "broadcast" in str(exc), exc
+        else:
+            raise AssertionError("a broadcast ran while rank 0 had joined")
+        got = await c.allreduce(torch.full((2,), 1.0))
+        assert torch.equal(got, torch.full((2,), float(c.size - 1))), got
+        last = await c.join()
+    assert last == c.size - 1, last
+    report(c.rank, "refused")
+
+
+async def check_cancelled_join_still_serves_its_round(c: asynclock.Coordinator) -> None:
+    """Regression: cancelling join() ends its service, but the rounds it already posted
+    (one per lane) still complete with the others', so no rank falls out of step."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if c.rank == 0:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(c.join)
+            while c.statistics().in_flight < 3:  # a JOIN round on each lane
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        for peer in range(1, c.size):
+            world.send("cancelled", dest=peer, tag=77)
+    else:
+        while not world.Iprobe(source=0, tag=77):
+            await anyio.sleep(0.001)
+        assert world.recv(source=0, tag=77) == "cancelled"
+        assert await c.join() == c.size - 1
+    got = await c.allreduce(torch.ones(3))
+    assert torch.equal(got, torch.full((3,), float(c.size))), got
+    await c.barrier()
+    assert c.statistics().in_flight == 0, c.statistics()
+    report(c.rank, "cancelled_join")
+
+
+async def check_all_at_once(c: asynclock.Coordinator) -> None:
+    last = await c.join()  # nobody has anything left: one round per lane
+    assert last == c.size - 1, last  # equal marks: the highest rank
+    report(c.rank, "all_at_once")
+
+
+async def main() -> None:
+    async with asynclock.start() as c:
+        await check_uneven(c)
+        if c.size > 1:
+            await check_refused(c)
+            await check_cancelled_join_still_serves_its_round(c)
+        await check_all_at_once(c)
+    report(c.rank, "done")
+
+
+# -- Horovod's API --------------------------------------------------------------
+def check_hvd_allreduce(hvd: object) -> None:
+    """Horovod's own join test: the first rank joins, the others average."""
+    h: object = hvd
+    rank, size = h.rank(), h.size()  # type: ignore[attr-defined]
+    a, b = torch.arange(5.0) + 1, torch.arange(17.0) * 3 + 100
+    if rank == 0:
+        last = h.join()  # type: ignore[attr-defined]
+    else:
+        ha = h.allreduce_async(a, name="tensor_a")  # type: ignore[attr-defined]
+        hb = h.allreduce_async(b, name="tensor_b")  # type: ignore[attr-defined]
+        got_a, got_b = h.synchronize(ha), h.synchronize(hb)  # type: ignore[attr-defined]
+        assert torch.allclose(got_a, a * (size - 1) / size), got_a
+        assert torch.allclose(got_b, b * (size - 1) / size), got_b
+        last = h.join()  # type: ignore[attr-defined]
+    assert last == size - 1, last
+    report(rank, "hvd_allreduce")
+
+
+def check_hvd_optimizer(hvd: object) -> None:
+    """Uneven batches: a joined rank's gradient is zero, the average divides by size."""
+    h: object = hvd
+    rank, size = h.rank(), h.size()  # type: ignore[attr-defined]
+    model = torch.nn.Linear(6, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = h.DistributedOptimizer(  # type: ignore[attr-defined]
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
+    shm_refused = False
+    for step in range(steps_of(rank) + 1):  # the +1: one more than rank 0 needs for a replan
+        x = torch.full((1, 6), float(rank + 1 + step))
+        opt.zero_grad()
+        model(x).sum().backward()
+        try:
+            opt.step()
+        except JoinedError as exc:
+            assert "shared-memory" in str(exc) and "rank 0 has joined" in str(exc), exc
+            shm_refused = True
+            break
+        live = [r for r in range(size) if step < steps_of(r) + 1]
+        want = sum(r + 1.0 + step for r in live) / size
+        assert torch.allclose(model.weight.grad, torch.full((1, 6), want)), (
+            step, model.weight.grad, want)
+    last = h.join()  # type: ignore[attr-defined]
+    assert last == size - 1, last
+    expect_refused = "--shm" in sys.argv and rank > 0 and size > 1
+    assert shm_refused == expect_refused, (shm_refused, expect_refused)
+    report(rank, "hvd_optimizer", "shm refused" if shm_refused else "")
+
+
+def main_hvd() -> None:
+    import asynclock.torch as hvd
+
+    hvd.init()
+    if hvd.size() > 1 and "--shm" not in sys.argv:
+        check_hvd_allreduce(hvd)
+    check_hvd_optimizer(hvd)
+    report(hvd.rank(), "done")
+    hvd.shutdown()
+
+
+if "--hvd" in sys.argv:
+    main_hvd()
+else:
+    run(main)

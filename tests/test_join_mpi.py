@@ -1,0 +1,60 @@
+"""join() in real jobs: uneven steps, refusals, Horovod's API, both MPIs, Horovod backend."""
+
+from __future__ import annotations
+
+import pytest
+from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
+def test_join_stands_in_for_uneven_steps(nranks: int, loop: str) -> None:
+    """Rank r runs 2 + r steps of every allreduce path (inline, data stage, min/max/product,
+    int64, float16) and a barrier, checked against the ranks still active; broadcast is
+    refused by name while rank 0 has joined; every rank names the same last joiner."""
+    job = run_job("join.py", nranks, *(["--trio"] if loop == "trio" else []), timeout=120)
+    assert_all_ok(job, nranks)
+    assert job.ok_lines("uneven") == set(range(nranks)), job.explain()
+    assert f"last={nranks - 1}" in job.output, job.explain()
+    if nranks > 1:
+        assert job.ok_lines("refused") == set(range(nranks)), job.explain()
+        assert job.ok_lines("cancelled_join") == set(range(nranks)), job.explain()
+    assert job.ok_lines("all_at_once") == set(range(nranks)), job.explain()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_join_horovod_api(nranks: int) -> None:
+    """Horovod's own join test (others average, rank 0 joined: a * (size-1) / size) and a
+    DistributedOptimizer whose ranks run different step counts (MPI gradient buckets)."""
+    job = run_job("join.py", nranks, "--hvd", timeout=120)
+    assert_all_ok(job, nranks)
+    assert job.ok_lines("hvd_allreduce") == set(range(nranks)), job.explain()
+    assert job.ok_lines("hvd_optimizer") == set(range(nranks)), job.explain()
+
+
+def test_join_refuses_shared_memory_gradient_rounds() -> None:
+    """Shared-memory buckets need every rank's own data: all ranks get JoinedError, no hang."""
+    job = run_job("join.py", 3, "--hvd", "--shm", timeout=120)
+    assert_all_ok(job, 3)
+    refused = [line for line in job.output.splitlines() if "OK hvd_optimizer shm refused" in line]
+    assert len(refused) == 2, job.explain()
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_join_other_mpi(kind: str) -> None:
+    job = run_job("join.py", 3, timeout=120, kind=kind)
+    assert_all_ok(job, 3)
+    assert job.ok_lines("uneven") == {0, 1, 2}, job.explain()
+
+
+@pytest.mark.horovod
+def test_join_on_the_horovod_backend() -> None:
+    """Stand-in data stages go through Horovod handles like any participant's."""
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    job = run_job("join.py", 2, timeout=180, kind=kind, env={"ASYNCLOCK_BACKEND": "horovod"})
+    assert_all_ok(job, 2)
+    assert job.ok_lines("uneven") == {0, 1}, job.explain()
+    assert job.ok_lines("refused") == {0, 1}, job.explain()
