@@ -151,8 +151,7 @@ def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tupl
     if kind in STAND_IN and not int(active[0, W_ROOT]) & EVERY_RANK:
         return ranks
     who = _ranks(list(ranks)) + (" has" if len(ranks) == 1 else " have")
-    why = ("it needs every rank's own data (shared-memory gradient rounds; "
-           "ASYNCLOCK_SHM=0 reduces gradients over MPI instead)"
+    why = ("it needs every rank's own data (a shared-memory gradient round)"
            if kind in STAND_IN else "a joined rank stands in only for allreduce and barrier")
     raise JoinedError(f"collective {_describe(active[0])} cannot run while {who} joined: {why}")
 

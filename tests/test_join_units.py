@@ -49,7 +49,7 @@ def test_other_kinds_are_refused_while_a_rank_has_joined() -> None:
 def test_rounds_that_need_every_rank_are_refused() -> None:
     shm = ALLREDUCE._replace(root=EVERY_RANK)
     with pytest.raises(JoinedError, match="ranks 0,2 have joined: it needs every rank's own "
-                       "data .shared-memory"):
+                       "data .a shared-memory gradient round"):
         check(_rows(_joined(7), shm, _joined(7)), Kind.JOIN)
 
 

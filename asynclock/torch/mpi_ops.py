@@ -229,7 +229,8 @@ def barrier(process_set: Any = None) -> None:
 def join(device: int = -1) -> int:
     """Horovod's join: this rank has no more data. Until every rank joined, it
     stands in for the others' allreduces (zeros; an average still divides by
-    `size()`) and barriers, gradient buckets included; broadcast, allgather and
+    `size()`) and barriers, gradient buckets included (shared-memory rounds fall
+    back to MPI allreduces meanwhile); broadcast, allgather and
     alltoall raise `JoinedError` on every rank meanwhile. Returns the rank that
     joined last. `device` is accepted for compatibility."""
     coord = runtime.coordinator()

@@ -14,7 +14,9 @@ is a few agreed stages (see `ShmTransport`), each a header-checked
 collective whose name carries the plan's checksum, so ranks that disagree
 raise the same MismatchError; and one "released" barrier ends the round.
 The arithmetic runs in one worker thread per reducer, never on the event
-loop.
+loop. While a rank has joined (`asynclock.join`) it cannot reduce its
+chunks, so a round's first stage is refused on every rank and that round's
+buckets go as plain MPI allreduces, which joined ranks stand in for.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from ..collective_ops import AllreduceOp, BarrierOp
+from ..errors import JoinedError
 from ..header import EVERY_RANK, Call
 from ..operation import Lane
 from ..ops import DTYPE_CODES, Kind, ReduceOp
@@ -38,6 +41,7 @@ from ..progress import Engine
 from ..tensors import as_buffer
 from .buckets import Bucket, Plan
 from .run import StepRun
+from .scheduler import BucketOp
 
 ALIGN = 64
 Done = Callable[[BaseException | None], None]
@@ -149,6 +153,8 @@ class _Round:
         self.finishing = False
         self.busy = False  # a stage op or a job of this round is in flight
         self.failed: BaseException | None = None
+        self.over_mpi: int | None = None  # a rank joined: buckets issued as plain allreduces
+        self.landed = 0  # ... and completed
 
 
 class _Agree(AllreduceOp):
@@ -208,6 +214,8 @@ class ShmTransport:
     def _advance(self, rnd: _Round) -> None:
         if rnd.busy or rnd.failed:
             return
+        if rnd.over_mpi is not None:
+            return self._issue_over_mpi(rnd)
         tag = f"g{rnd.run.generation}.{self.crc:08x}"
         if rnd.agreed < rnd.run.size and rnd.launched > rnd.agreed:
             rnd.busy, rnd.stage = True, rnd.stage + 1
@@ -222,6 +230,9 @@ class ShmTransport:
 
     def _staged(self, rnd: _Round, upto: int, err: BaseException | None) -> None:
         """Every rank packed buckets [0, upto): gather the last stage, reduce this one."""
+        if isinstance(err, JoinedError) and rnd.stage == 1:  # no data moved yet this round
+            rnd.busy, rnd.over_mpi = False, 0
+            return self._advance(rnd)
         if err is not None:
             return self._fail(rnd, err)
         gather = [self.plan.buckets[rnd.order[p]] for p in rnd.pending]
@@ -243,6 +254,50 @@ class ShmTransport:
             self._barrier(f"g{rnd.run.generation}.{self.crc:08x}.released", rnd.run.release)
         else:
             self._advance(rnd)
+        return None
+
+    def _issue_over_mpi(self, rnd: _Round) -> None:
+        """A rank has joined (`asynclock.join`): shared memory needs every rank's own
+        data, so this round's buckets go, in launch order, as plain allreduces that
+        joined ranks stand in for. Every active rank saw the same refusal of stage 1."""
+        assert rnd.over_mpi is not None
+        tag = f"g{rnd.run.generation}.{self.crc:08x}"
+        while rnd.over_mpi < rnd.launched:
+            k = rnd.order[rnd.over_mpi]
+            b = self.plan.buckets[k]
+            view = self.peers[b.group][self.arena.rank][b.offset: b.offset + b.numel]
+            buf = as_buffer(view, writable=True)
+            call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.SUM),
+                        dtype=buf.code, shape=buf.shape, nbytes=buf.array.nbytes,
+                        name=f"{tag}.m{rnd.over_mpi}")
+            rnd.over_mpi += 1
+            self.engine.submit(BucketOp(self.lane, call, buf,
+                                        partial(self._reduced_over_mpi, rnd, k, view)))
+
+    def _reduced_over_mpi(self, rnd: _Round, k: int, view: torch.Tensor, op: BucketOp) -> None:
+        if rnd.failed:
+            return
+        if op.error is not None:
+            return self._fail(rnd, op.error)
+        post = self.post
+
+        def scale() -> None:
+            if post != 1.0:
+                view.mul_(post)
+
+        self.worker.submit(scale, partial(self._landed, rnd, k))
+        return None
+
+    def _landed(self, rnd: _Round, k: int, err: BaseException | None) -> None:
+        if rnd.failed:
+            return
+        if err is not None:
+            return self._fail(rnd, err)
+        rnd.done(k, None)
+        rnd.landed += 1
+        if rnd.landed == rnd.run.size:  # MPI read our buffers inside each op: no barrier
+            del self._rounds[rnd.run.number]
+            rnd.run.release(None)
         return None
 
     def _fail(self, rnd: _Round, err: BaseException) -> None:
