@@ -42,6 +42,17 @@ def test_join_with_shared_memory_gradient_rounds() -> None:
     assert job.output.count("OK hvd_optimizer over shared memory") == 3, job.explain()
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["mpi-buckets", "shm-buckets"])
+def test_join_before_the_first_round_defers_the_replan(shm: bool) -> None:
+    """Regression: rank 0 joins with no batch at all; the others' one-time re-plan (an
+    allgather a joined rank cannot stand in for) used to fail the job; it now waits for
+    the next epoch, where every rank re-plans at the same point."""
+    job = run_job("join.py", 3, "--hvd", "--zero-steps", *(["--shm"] if shm else []),
+                  timeout=120)
+    assert_all_ok(job, 3)
+    assert job.ok_lines("hvd_optimizer") == {0, 1, 2}, job.explain()
+
+
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_join_other_mpi(kind: str) -> None:
     job = run_job("join.py", 3, timeout=120, kind=kind)

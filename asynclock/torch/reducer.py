@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CollectiveTimeout, MismatchError
+from ..errors import CollectiveTimeout, JoinedError, MismatchError
 from ..operation import Lane
 from ..ops import ReduceOp
 from ..runtime import Coordinator, LaneCollectives
@@ -295,7 +295,11 @@ class Reducer:
         self.replan_due = False
         mine = (self._proposal(run) if self.coord.rank == 0 else None,
                 self.options.shm and eligible(self.coord, self.grad_lane))
-        every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
+        try:
+            every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
+        except JoinedError:  # a rank joined before its first round: re-plan when all are back
+            self.replan_due = True
+            return
         order, launch = every[0][0]
         shm = all(ok for _, ok in every)
         # rank 0 timed round 1's allreduces; shared-memory buckets keep pace with

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 if "--hvd" in sys.argv and "--shm" not in sys.argv:
     os.environ["ASYNCLOCK_SHM"] = "0"
@@ -123,48 +124,58 @@ async def main() -> None:
 
 
 # -- Horovod's API --------------------------------------------------------------
-def check_hvd_allreduce(hvd: object) -> None:
+def check_hvd_allreduce(h: Any) -> None:
     """Horovod's own join test: the first rank joins, the others average."""
-    h: object = hvd
-    rank, size = h.rank(), h.size()  # type: ignore[attr-defined]
+    rank, size = h.rank(), h.size()
     a, b = torch.arange(5.0) + 1, torch.arange(17.0) * 3 + 100
     if rank == 0:
-        last = h.join()  # type: ignore[attr-defined]
+        last = h.join()
     else:
-        ha = h.allreduce_async(a, name="tensor_a")  # type: ignore[attr-defined]
-        hb = h.allreduce_async(b, name="tensor_b")  # type: ignore[attr-defined]
-        got_a, got_b = h.synchronize(ha), h.synchronize(hb)  # type: ignore[attr-defined]
+        ha = h.allreduce_async(a, name="tensor_a")
+        hb = h.allreduce_async(b, name="tensor_b")
+        got_a, got_b = h.synchronize(ha), h.synchronize(hb)
         assert torch.allclose(got_a, a * (size - 1) / size), got_a
         assert torch.allclose(got_b, b * (size - 1) / size), got_b
-        last = h.join()  # type: ignore[attr-defined]
+        last = h.join()
     assert last == size - 1, last
     report(rank, "hvd_allreduce")
 
 
-def check_hvd_optimizer(hvd: object) -> None:
-    """Uneven batches: a joined rank's gradient is zero, the average divides by size.
-
-    With `--shm` the buckets go through shared memory until a rank joins; from
-    then on each round falls back to MPI allreduces that joined ranks stand in for.
-    """
-    h: object = hvd
-    rank, size = h.rank(), h.size()  # type: ignore[attr-defined]
-    model = torch.nn.Linear(6, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    opt = h.DistributedOptimizer(  # type: ignore[attr-defined]
-        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
-    for step in range(steps_of(rank) + 1):  # +1: rank 0 joins after the one-time replan
+def train_epoch(h: Any, opt: Any, model: torch.nn.Module, steps: list[int]) -> None:
+    """Rank r runs steps[r] steps, then joins; each gradient is checked."""
+    rank, size = h.rank(), h.size()
+    for step in range(steps[rank]):
         x = torch.full((1, 6), float(rank + 1 + step))
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
-        live = [r for r in range(size) if step < steps_of(r) + 1]
+        live = [r for r in range(size) if step < steps[r]]
         want = sum(r + 1.0 + step for r in live) / size
         assert torch.allclose(model.weight.grad, torch.full((1, 6), want)), (
             step, model.weight.grad, want)
-    shm = opt._reducer.transport is not None  # type: ignore[attr-defined]
-    last = h.join()  # type: ignore[attr-defined]
-    assert last == size - 1, last
+    assert h.join() == max(range(size), key=lambda r: (steps[r], r))
+
+
+def check_hvd_optimizer(h: Any) -> None:
+    """Uneven batches: a joined rank's gradient is zero, the average divides by size.
+
+    With `--shm` the buckets go through shared memory until a rank joins; from
+    then on each round falls back to MPI allreduces that joined ranks stand in
+    for. With `--zero-steps` rank 0 joins before any round, so the others'
+    one-time re-plan waits for the next epoch, where every rank takes part.
+    """
+    rank, size = h.rank(), h.size()
+    model = torch.nn.Linear(6, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = h.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
+    if "--zero-steps" in sys.argv:
+        train_epoch(h, opt, model, list(range(size)))
+        train_epoch(h, opt, model, [2] * size)
+    else:
+        # +1: rank 0 joins after the one-time re-plan, so shared memory is in use
+        train_epoch(h, opt, model, [steps_of(r) + 1 for r in range(size)])
+    shm = opt._reducer.transport is not None
     assert shm == ("--shm" in sys.argv and size > 1), shm
     report(rank, "hvd_optimizer", "over shared memory" if shm else "")
 
