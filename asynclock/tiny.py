@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import staging
+from . import fastpath, staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .errors import BackendError
 from .handle import Handle
@@ -46,6 +46,7 @@ from .tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wra
 Array = np.ndarray[Any, Any]
 
 NOT_TINY: Any = object()  # "take the general path": nothing was issued
+FOLDED: Any = object()  # the C round folded the result into `out` already
 # Every 64th call yields to the loop once it finished (`collectives._yield_then`).
 YIELD_MASK = 63
 _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cache forever
@@ -71,6 +72,7 @@ class Signature(NamedTuple):
     finish: Callable[[Array], None]  # the result into `out`, from the received slots
     make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
     op: ReduceOp | None = None  # set for an allreduce whose data follows the header
+    fold: int = 0  # the C round's fold of the inline rows (`fastpath.FOLDS`); 0: `finish`
 
 
 class TinyCollectives:
@@ -94,6 +96,7 @@ class TinyCollectives:
         self._send_bytes = self._send.view(np.uint8).data
         transport = self._lane.transport  # MPI: the communicator's own Iallgather
         self._start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
+        self._round = fastpath.round_for(transport, self._send, self._recv)  # None: Python
         self._signatures.clear()  # finishing steps are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
@@ -113,8 +116,9 @@ class TinyCollectives:
             return NOT_TINY
         if sig.op is not None:
             return self._allreduce_staged(sig, sig.op, obj, a, shape, inplace)
-        req = self._exchange(sig, a.tobytes())
-        return self._result(sig, obj, a, shape, inplace, req)
+        out = a if inplace else np.empty(shape, a.dtype)
+        req = self._exchange(sig, a, out)
+        return self._result(sig, obj, a, shape, out, inplace, req)
 
     def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
                           inplace: bool) -> Any:
@@ -123,7 +127,7 @@ class TinyCollectives:
         issue its data stage: data stages go out in header order on every rank."""
         if self._lane.queue:
             return NOT_TINY
-        req = self._exchange(sig, b"")
+        req = self._exchange(sig, None)
         if req is not None:
             return self._hand_off(sig, req, obj, a, shape, inplace)
         out = a if inplace else np.empty(a.size, a.dtype)
@@ -153,8 +157,9 @@ class TinyCollectives:
             sig = self._remember(key, self._broadcast_signature(a, code, shape, root, name))
         if sig is None:
             return NOT_TINY
-        req = self._exchange(sig, a.tobytes() if self._lane.rank == root else b"")
-        return self._result(sig, obj, a, shape, inplace, req)
+        req = self._exchange(sig, a if self._lane.rank == root else None)
+        out = a if inplace else np.empty(shape, a.dtype)
+        return self._result(sig, obj, a, shape, out, inplace, req)
 
     def barrier(self, name: str | None) -> Any:
         if not self._engine_ready():
@@ -164,7 +169,7 @@ class TinyCollectives:
         if sig is NOT_TINY:
             sig = self._remember(key, self._signature(Call(Kind.BARRIER, 0, name=name or ""),
                                                       0, 0, _nothing, _barrier_op(self._lane)))
-        req = self._exchange(sig, b"")
+        req = self._exchange(sig, None)
         return None if req is None else self._hand_off(sig, req, None, np.empty(0), (), False)
 
     # -- the shared steps ---------------------------------------------------------
@@ -186,11 +191,32 @@ class TinyCollectives:
             self._last = LastTensor(obj, view)
         return view
 
-    def _exchange(self, sig: Signature, payload: bytes) -> Any:
+    def _exchange(self, sig: Signature, data: Array | None, out: Array | None = None) -> Any:
         """Issue the header round and spin: None once it completed and every rank
-        agreed (else the general path's error is raised), or the request: still
-        in flight, or finished with joined ranks standing in. Kept flat: each
-        Python call costs ~0.15 us here."""
+        agreed (else the general path's error is raised), FOLDED when the C round
+        also folded the inline rows into `out`, or the request: still in flight,
+        or finished with joined ranks standing in. Kept flat: each Python call
+        costs ~0.15 us here."""
+        rnd = self._round
+        if rnd is None:
+            return self._exchange_python(sig, b"" if data is None else data.tobytes())
+        lane = self._lane
+        seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
+        issued_at = self._issued_at = time.perf_counter()
+        state = rnd.exchange(sig.header, seq, data, self._engine.policy.spin_s,
+                             sig.fold if out is not None else 0, out)
+        if state == fastpath.DONE_FOLDED:
+            self._engine.count_synchronous(issued_at)
+            return FOLDED
+        if state == fastpath.IN_FLIGHT:
+            return fastpath.take_request(rnd)
+        if state == fastpath.DIFFERENT and self._check(sig):
+            return fastpath.finished_request()  # a rank joined: the general path folds
+        self._engine.count_synchronous(issued_at)
+        return None
+
+    def _exchange_python(self, sig: Signature, payload: bytes) -> Any:
+        """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
         seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
@@ -212,15 +238,16 @@ class TinyCollectives:
         self._engine.count_synchronous(issued_at)
         return None
 
-    def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, inplace: bool,
-                req: Any) -> Any:
-        """Finish into the caller's object (in place) or a new one of its type."""
+    def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,
+                inplace: bool, req: Any) -> Any:
+        """Finish into the caller's object (in place) or `out`, wrapped in its type."""
+        if req is FOLDED:
+            return obj if inplace else _wrap(obj, sig.code)(out)
         if req is not None:
             return self._hand_off(sig, req, obj, a, shape, inplace)
         if inplace:
             sig.finish(a)
             return obj
-        out = np.empty(shape, a.dtype)
         sig.finish(out.reshape(-1))
         return _wrap(obj, sig.code)(out)
 
@@ -264,7 +291,8 @@ class TinyCollectives:
 
         if staged:
             return self._signature(call, 0, code, _nothing, make)._replace(op=rop)
-        return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
+        sig = self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
+        return sig._replace(fold=fastpath.FOLDS.get((code, rop), 0))
 
     def _broadcast_signature(self, a: Array, code: int, shape: Any, root: int,
                              name: str | None) -> Signature | None:

@@ -32,5 +32,7 @@ if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then bash mpi/install_system_mpi.
 here=$(pwd -P)
 (cd / && "$VPY" -c "import asynclock, os, sys; sys.exit(not os.path.realpath(asynclock.__file__).startswith('$here/'))") 2>/dev/null \
   || { log "installing asynclock (editable)"; pipi --no-deps --no-build-isolation -e .; }
+# The C small-message round, per MPI (seconds; without a compiler the Python path runs).
+"$VPY" mpi/build_fastpath.py || log "C small-message path not built: the Python path runs"
 if [ "${ASYNCLOCK_SETUP_HOROVOD:-0}" = 1 ]; then "$VPY" mpi/build_horovod.py; fi
 log "ready: $("$VPY" mpi/select.py describe 2>/dev/null | head -1 || echo 'MPI kit not found')"

@@ -70,6 +70,18 @@ print(json.dumps({"version": torch.__version__, "cuda_available": torch.cuda.is_
                   "cuda_version": torch.version.cuda, "threads": torch.get_num_threads()}))
 """
 
+_FAST_PROBE = r"""
+import json, os
+import asynclock.fastpath as f
+path = f.built_path()
+try:
+    loaded = f.load() is not None
+except Exception as exc:
+    loaded = repr(exc)
+print(json.dumps({"file": path.name, "built": path.exists(), "loads": loaded,
+                  "enabled": os.environ.get("ASYNCLOCK_FASTPATH", "1") != "0"}))
+"""
+
 _HVD_PROBE = r"""
 import glob, json, os, importlib.metadata as md
 try:
@@ -191,6 +203,7 @@ def collect(kind: str) -> Report:
         report["mpiexec"] = mpiexec_report(info, env)
         report["mpi"]["cuda_built"] = cuda_build_report(info, env)
     report["torch"] = py_json(_TORCH_PROBE, env)
+    report["fastpath"] = py_json(_FAST_PROBE, env)
     report["horovod"] = horovod_report(env)
     report["warnings"] = mismatch_warnings(report.get("mpi", {}), report["horovod"])
     return report
@@ -218,6 +231,10 @@ def render(rep: Report) -> str:
     torch = rep.get("torch", {})
     lines.append(f"torch               : {torch.get('version', torch.get('error'))} "
                  f"cuda_available={torch.get('cuda_available')}")
+    fast = rep.get("fastpath", {})
+    lines.append(f"C small-message path: {fast.get('file')} built={fast.get('built')} "
+                 f"loads={fast.get('loads')} enabled={fast.get('enabled')}"
+                 if "error" not in fast else f"C small-message path: {fast['error']}")
     lines += _render_horovod(hvd)
     lines += [f"WARNING: {w}" for w in rep.get("warnings", [])]
     if rep.get("env"):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from mpijob import (
+    MPI_KIND,
     OTHER_KINDS,
     assert_all_ok,
     horovod_status,
     horovodrun_missing,
+    mpi_select,
     run_horovodrun,
     run_job,
 )
@@ -82,17 +87,31 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor",
+TINY_LABELS = ("folds", "mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor",
                "cancelled_scope_still_issues", "yields")
 
 
+def fastpath_built(kind: str = MPI_KIND) -> bool:
+    """Whether setup built the C round for this MPI (then the job must use it)."""
+    code = "import asynclock.fastpath as f; print(f.load() is not None)"
+    env = {k: v for k, v in mpi_select.environ_for(kind).items() if k != "ASYNCLOCK_FASTPATH"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=False)
+    return out.stdout.strip() == "True"
+
+
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
-def test_small_allreduce_path(nranks: int, loop: str) -> None:
+@pytest.mark.parametrize("path", ["C", "python"])
+def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
     """asynclock.tiny: agrees with the general path (allreduce, broadcast, barrier),
-    hands off to the engine when a rank is late, follows changed tensors, yields."""
+    hands off to the engine when a rank is late, follows changed tensors, yields; the
+    C round (`asynclock/_fastpath.c`, when built) and the Python one alike."""
+    if path == "C" and not fastpath_built():
+        pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
     job = run_job("tiny_collectives.py", nranks, *(["--trio"] if loop == "trio" else []),
-                  timeout=120)
+                  timeout=120, env={"ASYNCLOCK_FASTPATH": "1" if path == "C" else "0"})
     assert_all_ok(job, nranks)
+    assert f"OK folds {path}" in job.output, job.explain()
     labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off")
                             if nranks > 1 else ())
     for label in labels:
@@ -103,6 +122,7 @@ def test_small_allreduce_path(nranks: int, loop: str) -> None:
 def test_small_allreduce_path_other_mpi(kind: str) -> None:
     job = run_job("tiny_collectives.py", 2, timeout=120, kind=kind)
     assert_all_ok(job, 2)
+    assert f"OK folds {'C' if fastpath_built(kind) else 'python'}" in job.output, job.explain()
     assert job.ok_lines("cancel_after_hand_off") == {0, 1}, job.explain()
 
 

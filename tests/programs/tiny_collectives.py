@@ -7,6 +7,7 @@ Every rank runs the same sequence; each check reports its label.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import anyio
 import numpy as np
@@ -15,6 +16,8 @@ from _common import report, run
 
 import asynclock
 from asynclock import InvalidInputError, MismatchError
+
+warnings.filterwarnings("ignore", "overflow", RuntimeWarning)  # wrapping is what we test
 
 
 def tri(size: int) -> float:
@@ -198,9 +201,41 @@ async def check_yields(c: asynclock.Coordinator) -> None:
     report(c.rank, "yields")
 
 
+async def check_folds(c: asynclock.Coordinator) -> None:
+    """Every (dtype, op) the C round folds, and ones it leaves to numpy, against numpy's
+    rank-order fold of the gathered inputs: bit for bit, integer wrap-around included."""
+    from asynclock.fastpath import FOLDS
+    from asynclock.ops import NUMPY_OF_CODE, ReduceOp
+
+    rng = np.random.default_rng(100 + c.rank)
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
+             ReduceOp.MAX: np.maximum}
+    cases = list(FOLDS) + [(code, op) for code, op in ((2, ReduceOp.MIN), (3, ReduceOp.MAX))]
+    for code, op in cases:
+        dtype = NUMPY_OF_CODE[code]
+        if dtype.kind == "f":
+            x = (rng.standard_normal(7) * 1e3).astype(dtype)
+        else:  # near the top of the range: sums and products wrap
+            x = rng.integers(np.iinfo(dtype).max // 2, np.iinfo(dtype).max, 7, dtype=dtype)
+        rows = await c.allgather(x.reshape(1, -1))
+        want = rows[0].copy()
+        for r in range(1, c.size):
+            want = ufunc[op](want, rows[r])
+        for inplace in (False, True):
+            got = x.copy() if inplace else x
+            got = await (c.allreduce_(got, op.name.lower()) if inplace
+                         else c.allreduce(got, op.name.lower()))
+            assert got.tobytes() == want.tobytes(), (dtype, op, inplace, got, want)
+        t = await c.allreduce(torch.from_numpy(x.copy()), op.name.lower())
+        assert t.numpy().tobytes() == want.tobytes(), (dtype, op, t, want)
+    fast = c._tiny._round is not None
+    report(c.rank, "folds", "C" if fast else "python")
+
+
 async def main() -> None:
     async with asynclock.start() as c:
         before = c.small_path_statistics().calls
+        await check_folds(c)
         await check_mixed_paths(c)
         await check_broadcast_barrier(c)
         await check_mid_size(c)
