@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 
 from . import failure
 from .backends.base import Backend
@@ -98,6 +99,10 @@ class Coordinator(Collectives, SyncPrimitives):
         self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
         self.sync_lane = self._add_lane("sync")
+        # collectives issued from inside a model (SyncBatchNorm), ordered by its layers
+        self.model_lane = self._add_lane("model")
+        self._loop_token: Any = None  # the caller's loop while `running()` (async API)
+        self._loop_thread = 0
         self._closed = False
         self._engine_owner: str | None = None
         self._portal_cm: Any = None
@@ -125,7 +130,8 @@ class Coordinator(Collectives, SyncPrimitives):
         barriers; returns the rank that joined last. Horovod's `hvd.join()`,
         DDP's `Join` (`asynclock.join`)."""
         self._check_open()
-        return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane])
+        return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane,
+                                               self.model_lane])
 
     # -- process sets (asynclock.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:
@@ -201,6 +207,8 @@ class Coordinator(Collectives, SyncPrimitives):
         """Run the progress engine on the current loop for the block's duration."""
         self._check_open()
         self._claim("loop")
+        self._loop_token = anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
         body_error: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
@@ -214,7 +222,7 @@ class Coordinator(Collectives, SyncPrimitives):
                 finally:
                     tg.cancel_scope.cancel()
         finally:
-            self._engine_owner = None
+            self._engine_owner, self._loop_token = None, None
         if body_error is not None:
             raise body_error
 
@@ -230,6 +238,21 @@ class Coordinator(Collectives, SyncPrimitives):
         with anyio.fail_after(timeout):
             while self._engine.inflight:
                 await anyio.sleep(0.001)
+
+    def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `fn(*args)` on whichever loop runs the engine and wait for it: for
+        synchronous code that needs a collective (a layer's forward or backward).
+
+        Never on that loop's own thread: the wait would block the loop."""
+        token = self._loop_token
+        if token is None:
+            return self.run_sync(fn, *args)
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("a blocking collective on the event loop's thread would block "
+                               "the loop: run this code in a worker thread "
+                               "(await anyio.to_thread.run_sync(...))")
+        result: T = anyio.from_thread.run(fn, *args, token=token)  # type: ignore[arg-type]
+        return result
 
     # -- synchronous use (Horovod style) ------------------------------------------
     def run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:

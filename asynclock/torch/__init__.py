@@ -71,6 +71,7 @@ from .process_sets import (
 )
 from .reducer import quiesce_all, stop_workers
 from .step import TrainStep, TrainStepStatistics, train_step
+from .sync_batch_norm import SyncBatchNorm
 from .tracing import trace_module
 
 Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError for it
@@ -132,7 +133,8 @@ def is_homogeneous() -> bool:
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "Max", "Min",
-    "ProcessSet", "Product", "ReduceOp", "Sum", "add_process_set", "global_process_set",
+    "ProcessSet", "Product", "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set",
+    "global_process_set",
     "process_set_by_id", "process_sets", "remove_process_set", "TrainStep",
     "TrainStepStatistics", "Tuning", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
