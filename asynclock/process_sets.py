@@ -29,9 +29,11 @@ class Subset:
     """A fixed group of world ranks; `api` is its collective API on members."""
 
     def __init__(self, ranks: tuple[int, ...], world_rank: int, ident: int,
-                 api: LaneCollectives | None, lane: Lane | None) -> None:
+                 api: LaneCollectives | None, lane: Lane | None,
+                 grad_lane: Lane | None = None) -> None:
         self.ranks, self.ident = ranks, ident
         self._world_rank, self._api, self.lane = world_rank, api, lane
+        self.grad_lane = grad_lane  # a DistributedOptimizer's buckets (members only)
         self.removed = False
 
     @property
@@ -84,21 +86,21 @@ async def make_subset(coord: Coordinator, ranks: Iterable[int]) -> Subset:
     """Every world rank calls this, in the same order (it splits a communicator)."""
     chosen = normalise(ranks, coord.size)
     ident = next(_ids)
-    channel = await _split(coord.backend, f"set{ident}", chosen)
-    if channel is None:
+    channels = await _split(coord.backend, (f"set{ident}", f"set{ident}.grad"), chosen)
+    if channels is None:
         return Subset(chosen, coord.rank, ident, None, None)
-    lane = coord.add_lane(channel)
-    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane)
+    lane, grad_lane = (coord.add_lane(ch) for ch in channels)
+    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane, grad_lane)
 
 
-async def _split(backend: Any, name: str, ranks: tuple[int, ...]) -> Any:
-    """The members' channel (None elsewhere); off the loop where MPI allows threads."""
-    split = getattr(backend, "subchannel", None)
+async def _split(backend: Any, names: tuple[str, ...], ranks: tuple[int, ...]) -> Any:
+    """The members' channels (None elsewhere); off the loop where MPI allows threads."""
+    split = getattr(backend, "subchannels", None)
     if split is None:
         raise NotImplementedError(f"process sets need the MPI backend (this is {backend.name})")
     if getattr(backend, "thread_level", 0) >= 3:  # MPI_THREAD_MULTIPLE
-        return await anyio.to_thread.run_sync(split, name, ranks)
-    return split(name, ranks)
+        return await anyio.to_thread.run_sync(split, names, ranks)
+    return split(names, ranks)
 
 
 async def remove_subset(coord: Coordinator, subset: Subset) -> None:
@@ -109,3 +111,5 @@ async def remove_subset(coord: Coordinator, subset: Subset) -> None:
     if subset.lane is not None:
         await coord.drain()
         coord.remove_lane(subset.lane)
+    if subset.grad_lane is not None:
+        coord.remove_lane(subset.grad_lane)

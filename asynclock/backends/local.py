@@ -91,8 +91,9 @@ class LocalBackend:
     def channel(self, name: str) -> LocalChannel:
         return LocalChannel(name)
 
-    def subchannel(self, name: str, ranks: tuple[int, ...]) -> LocalChannel:
-        return LocalChannel(name)  # the only possible set is [0]
+    def subchannels(self, names: tuple[str, ...], ranks: tuple[int, ...]
+                    ) -> list[LocalChannel]:
+        return [LocalChannel(name) for name in names]  # the only possible set is [0]
 
     def close_channel(self, channel: Any) -> None:
         return None

@@ -156,20 +156,21 @@ class MPIBackend:
         self._channels.append(ch)
         return ch
 
-    def subchannel(self, name: str, ranks: tuple[int, ...]) -> MPIChannel | None:
-        """A process set's channel (`asynclock.process_sets`): collective over the
-        world, in the same order everywhere; None on ranks outside the set."""
+    def subchannels(self, names: tuple[str, ...], ranks: tuple[int, ...]
+                    ) -> list[MPIChannel] | None:
+        """A process set's channels (`asynclock.process_sets`), one per name: collective
+        over the world, in the same order everywhere; None on ranks outside the set."""
         MPI = _mpi()
         member = self.rank in ranks
         sub = self.world.Split(0 if member else MPI.UNDEFINED, self.rank)
         if not member:
             return None
         try:
-            ch = MPIChannel(sub, name)
+            channels = [MPIChannel(sub, name) for name in names]
         finally:
             sub.Free()
-        self._channels.append(ch)
-        return ch
+        self._channels.extend(channels)
+        return channels
 
     def close_channel(self, channel: Any) -> None:
         """Free one channel's communicators (its members, once nothing is in flight)."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import runtime
+from ..operation import Lane
 from ..ops import ReduceOp
 from .apply import only
 from .config import Tuning, build_options
@@ -46,14 +47,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _base_class: type[torch.optim.Optimizer]
 
     def __init__(self, params: Any, named_parameters: Any, options: dict[str, Any],
-                 tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None) -> None:
+                 tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None,
+                 process_set: Any = None) -> None:
         self._base_class.__init__(self, params)  # type: ignore[call-arg]
         coord = runtime.coordinator()
         registry = ParamRegistry(self.param_groups, named_parameters)
         opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
         link = sync_link(coord)
         self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
-                                gradient_lane(coord))
+                                _lane_for(coord, process_set))
         self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
@@ -172,7 +174,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gate_forward: torch.nn.Module | None = None,
                          tuning: Tuning | None = None) -> Any:
     """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks."""
-    _check_unsupported(op, sparse_as_dense, process_set)
+    _check_unsupported(op, sparse_as_dense)
     from .compression import Compression
 
     options = {"compression": compression or Compression.none,
@@ -184,13 +186,34 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     base = optimizer.__class__
     cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
     return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
-               gate_forward)
+               gate_forward, process_set)
 
 
-def _check_unsupported(op: Any, sparse_as_dense: bool, process_set: Any) -> None:
+def _check_unsupported(op: Any, sparse_as_dense: bool) -> None:
     if isinstance(op, str) and op.lower() == "adasum":
         raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("DistributedOptimizer averages over all ranks only; within a "
-                                  "process set use hvd.allreduce(..., process_set=...)")
     del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed
+
+
+_SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer
+
+
+def _lane_for(coord: Any, process_set: Any) -> Lane:
+    """The world's gradient lane, or a process set's own: its members average over the set.
+
+    Members build the optimizer, in the same order; one optimizer per set, so two
+    optimizers' rounds never interleave on one channel."""
+    if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+        return gradient_lane(coord)
+    subset = getattr(process_set, "subset", None)
+    if subset is None or subset.removed:
+        raise ValueError(f"{process_set} is not registered: hvd.add_process_set() it first")
+    if not subset.included:
+        raise ValueError(f"rank {coord.rank} is not in process set {list(subset.ranks)}: only "
+                         "its members build its DistributedOptimizer")
+    if subset.ident in _SERVED:
+        raise ValueError(f"process set {list(subset.ranks)} already has a DistributedOptimizer")
+    _SERVED.add(subset.ident)
+    lane: Lane = subset.grad_lane
+    return lane
+

@@ -133,7 +133,7 @@ class Reducer:
         self.coord, self.link, self.registry, self.options = coord, link, registry, options
         self.grad_lane = lane
         self.lane: LaneCollectives = coord.on_lane(lane)
-        self.pre, self.post = options.scales(coord.size)
+        self.pre, self.post = options.scales(lane.size)  # a process set's, or the world's
         self.specs = registry.specs(options.wire_dtype)
         self.generation, self.rounds, self.passes = 0, 0, options.passes
         self.plan = self._plan(list(reversed(range(len(registry)))), None)
@@ -293,7 +293,7 @@ class Reducer:
         if not self.replan_due:
             return
         self.replan_due = False
-        mine = (self._proposal(run) if self.coord.rank == 0 else None,
+        mine = (self._proposal(run) if self.grad_lane.rank == 0 else None,
                 self.options.shm and eligible(self.coord, self.grad_lane))
         try:
             every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))

@@ -7,6 +7,7 @@ API (`hvd.ProcessSet`, `hvd.init(process_sets=...)`, `process_set=`).
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from _common import report, run
@@ -90,11 +91,7 @@ def check_hvd_api() -> None:
             assert "not in process set" in str(exc), exc
         else:
             raise AssertionError("a non-member's call went through")
-    try:
-        hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
-                                 process_set=last)
-    except NotImplementedError as exc:
-        assert "process set" in str(exc), exc
+    check_set_optimizer(hvd, last)
     assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(size)))
     assert hvd.remove_process_set(last) and last.ranks is None
     assert not hvd.remove_process_set(hvd.global_process_set)
@@ -102,6 +99,40 @@ def check_hvd_api() -> None:
     report(rank, "hvd_api")
     hvd.shutdown()
     report(rank, "done")
+
+
+def check_set_optimizer(hvd: Any, ps: Any) -> None:
+    """DistributedOptimizer(process_set=ps): members average over the set only (3 rounds:
+    the first, the re-plan, shared memory after it); others are refused by name."""
+    rank = hvd.rank()
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    if rank not in ps.ranks:
+        try:
+            hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                     process_set=ps)
+        except ValueError as exc:
+            assert f"rank {rank} is not in process set" in str(exc), exc
+        else:
+            raise AssertionError("a non-member built a process set's optimizer")
+        return
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                   process_set=ps)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.full((1, 4), float(rank + step))).sum().backward()
+        opt.step()
+        want = sum(r + step for r in ps.ranks) / len(ps.ranks)
+        assert torch.allclose(model.weight.grad, torch.full((1, 4), float(want))), (
+            step, model.weight.grad, want)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                 named_parameters=model.named_parameters(), process_set=ps)
+    except ValueError as exc:
+        assert "already has a DistributedOptimizer" in str(exc), exc
+    else:
+        raise AssertionError("two optimizers shared a process set's gradient channel")
 
 
 def hvd_size_hint() -> int:
