@@ -5,7 +5,8 @@ Every system runs in the same job on the same buffers (in place, sum), so
 the ratios compare like with like. When Horovod is importable for this MPI,
 `asynclock-hvd` is a second Coordinator on the Horovod backend in the same
 job (headers over MPI, data stages over Horovod handles). Each figure is the median of several
-rounds; each round times a batch of back-to-back calls sized to ~0.2 s.
+rounds; each round times a batch of back-to-back calls sized to ~0.2 s, the
+systems taking turns round by round.
 Also reports the CPU a rank burns while awaiting a barrier that the other
 rank enters 2 s late.
 """
@@ -53,20 +54,30 @@ def agree_iters(seconds_per_call: float, budget: float) -> int:
     return int(WORLD.bcast(n, root=0))
 
 
-async def time_async(fn: Callable[[], Awaitable[Any]], args: argparse.Namespace) -> float:
-    """Median seconds per call of an async callable, over synchronised rounds."""
+async def time_systems(fns: dict[str, Callable[[], Awaitable[Any]]],
+                       args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds per call of each system, over synchronised rounds.
+
+    The systems take turns round by round (not one after another), so a machine
+    that slows down part-way through the run weighs on every system alike."""
+    iters = {name: await _calibrate(fn, args) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            WORLD.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                await fn()
+            samples[name].append((time.perf_counter() - t0) / iters[name])
+    return {name: float(statistics.median(s)) for name, s in samples.items()}
+
+
+async def _calibrate(fn: Callable[[], Awaitable[Any]], args: argparse.Namespace) -> int:
+    """Warm up, and agree on how many calls make one round of ~round_seconds."""
     t0 = time.perf_counter()
     for _ in range(3):
         await fn()
-    iters = agree_iters((time.perf_counter() - t0) / 3, args.round_seconds)
-    samples = []
-    for _ in range(args.rounds):
-        WORLD.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            await fn()
-        samples.append((time.perf_counter() - t0) / iters)
-    return float(statistics.median(samples))
+    return agree_iters((time.perf_counter() - t0) / 3, args.round_seconds)
 
 
 def sync_as_async(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
@@ -214,8 +225,7 @@ async def main() -> None:
         rows = []
         async with systems.running():
             for nbytes in (int(s) for s in args.sizes.split(",")):
-                medians = {name: await time_async(fn, args)
-                           for name, fn in systems.make(nbytes).items()}
+                medians = await time_systems(systems.make(nbytes), args)
                 raw = medians["mpi4py"]
                 rows += [{"system": k, "bytes": nbytes, "seconds_median": v,
                           "ratio_to_raw": v / raw, "link": args.link}
