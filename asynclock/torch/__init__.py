@@ -32,6 +32,18 @@ from ..runtime import (
 )
 from .compression import Compression, Compressor
 from .config import Tuning, training_policy
+from .grouped_ops import (
+    alltoall_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
 from .mpi_ops import (
     allgather,
     allgather_async,
@@ -47,7 +59,6 @@ from .mpi_ops import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
-    grouped_allreduce,
     join,
     poll,
     reducescatter,
@@ -139,7 +150,10 @@ __all__ = [
     "TrainStepStatistics", "Tuning", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_async_", "broadcast_object", "alltoall_async", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+    "reducescatter_async", "broadcast_optimizer_state",
     "broadcast_optimizer_state_async", "broadcast_parameters", "broadcast_parameters_async",
     "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "grouped_allreduce",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,7 +23,8 @@ from .compression import Compression
 from .process_sets import api_of, root_of
 
 Post = Callable[[Any], Any]
-_handles: dict[int, tuple[Handle, Post]] = {}
+T = TypeVar("T")
+_handles: dict[int, tuple[Any, Post]] = {}  # a Handle, or a grouped_ops.GroupHandle
 _ids = itertools.count(1)
 _lock = threading.Lock()
 
@@ -38,15 +39,15 @@ def _reduce_op(average: bool | None, op: Any) -> ReduceOp:
     return as_reduce_op(op)
 
 
-def _start(fn: Callable[[], Handle]) -> Handle:
+def _start(fn: Callable[[], T]) -> T:
     """Start a collective on the loop thread (engine state is loop-only)."""
-    async def go() -> Handle:
+    async def go() -> T:
         return fn()
 
     return runtime.coordinator().run_sync(go)
 
 
-def _register(handle: Handle, post: Post) -> int:
+def _register(handle: Any, post: Post) -> int:
     with _lock:
         n = next(_ids)
         _handles[n] = (handle, post)
@@ -55,7 +56,8 @@ def _register(handle: Handle, post: Post) -> int:
 
 def poll(handle: int) -> bool:
     """True once `synchronize(handle)` would return without waiting."""
-    return _handles[handle][0].done()
+    done: bool = _handles[handle][0].done()
+    return done
 
 
 def synchronize(handle: int) -> Any:
@@ -131,17 +133,6 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: Any = None) -> torch.Tensor:
     return tensor.copy_(allreduce(tensor, average, name, Compression.none, op,
                                   prescale_factor, postscale_factor, process_set))
-
-
-def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, compression: Any = Compression.none,
-                      op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
-    """Allreduce each tensor (all in flight together)."""
-    handles = [allreduce_async(t, average, f"{name}.{n}" if name else None, compression, op,
-                               prescale_factor, postscale_factor, process_set)
-               for n, t in enumerate(tensors)]
-    return [synchronize(h) for h in handles]
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------

@@ -162,7 +162,34 @@ def check_collectives() -> None:
     assert torch.equal(root, torch.arange(4.0)), root
     obj = hvd.broadcast_object({"from": rank}, root_rank=0)
     assert obj == {"from": 0}, obj
+    check_grouped(rank, size)
     report(rank, "collectives")
+
+
+def check_grouped(rank: int, size: int) -> None:
+    """Grouped and async variants, as Horovod 0.28 defines them (`--horovod` checks that)."""
+    tri = float(size * (size - 1) // 2)
+    a, b = torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 1))
+    got = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="g")
+    assert torch.equal(got[0], torch.full((3,), tri)) and torch.equal(
+        got[1], torch.full((2, 2), tri + size)), got
+    got = hvd.synchronize(hvd.grouped_allreduce_async([a, b], name="ga"))  # Average
+    assert torch.allclose(got[1], torch.full((2, 2), (tri + size) / size)), got
+    x, y = a.clone(), b.clone()
+    hvd.grouped_allreduce_([x, y], op=hvd.Sum, name="gi")
+    assert torch.equal(x, torch.full((3,), tri)) and torch.equal(y, got[1] * size), (x, y)
+    rows = hvd.grouped_allgather([torch.full((rank + 1, 2), float(rank)), a[None]], name="gg")
+    assert rows[0].shape == (size * (size + 1) // 2, 2) and rows[1].shape == (size, 3), rows
+    t = torch.arange(2.0 * size).repeat_interleave(2).reshape(2 * size, 2) + rank
+    mine = hvd.synchronize(hvd.reducescatter_async(t, op=hvd.Sum, name="rs"))
+    want = (torch.arange(2.0 * size).repeat_interleave(2).reshape(2 * size, 2) * size + tri)
+    assert torch.equal(mine, want[2 * rank: 2 * rank + 2]), (mine, want)
+    both = hvd.grouped_reducescatter([t, t * 2], op=hvd.Sum, name="grs")
+    assert torch.equal(both[0], mine) and torch.equal(both[1], mine * 2), both
+    out, received = hvd.synchronize(hvd.alltoall_async(torch.full((size, 2), float(rank)),
+                                                       name="a2a"))
+    assert torch.equal(out[:, 0], torch.arange(float(size))), out
+    assert received.tolist() == [1] * size, received
 
 
 if __name__ == "__main__":

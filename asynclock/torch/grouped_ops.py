@@ -1,0 +1,167 @@
+"""Horovod's grouped and remaining `*_async` collectives, on the same handles.
+
+A Horovod script that calls `hvd.grouped_allgather`, `grouped_reducescatter`,
+`grouped_allreduce_async_` or `reducescatter_async` must not stop at an
+AttributeError. A group starts all its collectives in one hop to the loop
+thread (each hop costs ~150 us), so they are in flight together, and its
+handle's `synchronize` returns the list of results in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from ..handle import Handle
+from .compression import Compression
+from .mpi_ops import Post, _handles, _prepare, _reduce_op, _register, _start, synchronize
+from .process_sets import api_of
+
+
+class GroupHandle:
+    """Several collectives as one handle: done when all are; results in order."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        results = []
+        for h in self.handles:
+            results.append((yield from h.__await__()))
+        return results
+
+
+def _start_group(starts: list[Callable[[], Handle]], posts: list[Post]) -> int:
+    """All starts in one hop; the handle's `synchronize` applies each post in order."""
+    group = _start(lambda: GroupHandle([start() for start in starts]))
+
+    def post(results: list[Any]) -> list[Any]:
+        return [p(r) for p, r in zip(posts, results, strict=True)]
+
+    return _register(group, post)
+
+
+def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, compression: Any = Compression.none,
+                            op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = None) -> int:
+    """Start an allreduce of a copy of each tensor; one handle for the group."""
+    api = api_of(process_set)
+    prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor)
+                for t in tensors]
+    starts = [_allreduce_start(api, work, rop, _part(name, n))
+              for n, (work, rop, _) in enumerate(prepared)]
+    return _start_group(starts, [post for _, _, post in prepared])
+
+
+def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """Allreduce each tensor (all in flight together)."""
+    return _results(grouped_allreduce_async(tensors, average, name, compression, op,
+                                            prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = None) -> int:
+    """In place: `synchronize` writes each result into its tensor and returns them."""
+    n = grouped_allreduce_async(tensors, average, name, Compression.none, op, prescale_factor,
+                                postscale_factor, process_set)
+    handle, post = _handles[n]
+    _handles[n] = (handle, lambda out: [t.copy_(r) for t, r in zip(tensors, post(out),
+                                                                   strict=True)])
+    return n
+
+
+def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    return _results(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                             postscale_factor, process_set))
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
+                            process_set: Any = None) -> int:
+    api = api_of(process_set)
+    starts = [_gather_start(api, t.contiguous(), _part(name, n)) for n, t in enumerate(tensors)]
+    return _start_group(starts, [_same] * len(tensors))
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
+                      process_set: Any = None) -> list[Any]:
+    """Each tensor concatenated over ranks along dim 0 (all in flight together)."""
+    return _results(grouped_allgather_async(tensors, name, process_set))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
+                        op: Any = None, process_set: Any = None) -> int:
+    return grouped_reducescatter_async([tensor], name, compression, op, process_set, _single=True)
+
+
+def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
+                                compression: Any = None, op: Any = None,
+                                process_set: Any = None, *, _single: bool = False) -> int:
+    """Reduce each tensor (Average unless `op`), keep this rank's slice of dim 0."""
+    api, rop = api_of(process_set), _reduce_op(None, op)
+    starts = [_scatter_start(api, t.contiguous(), rop, name if _single else _part(name, n))
+              for n, t in enumerate(tensors)]
+    n = _start_group(starts, [_same] * len(tensors))
+    if _single:
+        handle, post = _handles[n]
+        _handles[n] = (handle, lambda out: post(out)[0])
+    return n
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
+                          compression: Any = None, op: Any = None,
+                          process_set: Any = None) -> list[Any]:
+    return _results(grouped_reducescatter_async(tensors, name, compression, op, process_set))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = None) -> int:
+    """Start an alltoall; as in Horovod, `synchronize` returns (output, received_splits)."""
+    api = api_of(process_set)
+    split_list = None if splits is None else [int(s) for s in splits]
+
+    def post(result: Any) -> Any:
+        out, received = result
+        return out, torch.tensor(received, dtype=torch.int32)
+
+    start = _start(lambda: api.alltoall_async(tensor.contiguous(), split_list, name=name))
+    return _register(start, post)
+
+
+def _results(handle: int) -> list[Any]:
+    out: list[Any] = synchronize(handle)
+    return out
+
+
+def _part(name: str | None, n: int) -> str | None:
+    return f"{name}.{n}" if name else None
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _allreduce_start(api: Any, work: torch.Tensor, rop: Any,
+                     name: str | None) -> Callable[[], Handle]:
+    return lambda: api.allreduce_async(work, rop, name=name)
+
+
+def _gather_start(api: Any, t: torch.Tensor, name: str | None) -> Callable[[], Handle]:
+    return lambda: api.allgather_async(t, name=name)
+
+
+def _scatter_start(api: Any, t: torch.Tensor, rop: Any,
+                   name: str | None) -> Callable[[], Handle]:
+    return lambda: api.reduce_scatter_async(t, rop, name=name)
