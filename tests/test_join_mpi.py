@@ -70,3 +70,17 @@ def test_join_on_the_horovod_backend() -> None:
     assert_all_ok(job, 2)
     assert job.ok_lines("uneven") == {0, 1}, job.explain()
     assert job.ok_lines("refused") == {0, 1}, job.explain()
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("flags", [(), ("--zero-steps",)], ids=["uneven", "zero-steps"])
+def test_join_checks_pass_on_real_horovod(flags: tuple[str, ...]) -> None:
+    """Conformance: the same join checks (Horovod's own join test; gradients of a
+    DistributedOptimizer with uneven steps: zeros from joined ranks, average over the
+    full size) pass on Horovod 0.28.1, so they pin down Horovod's semantics."""
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    job = run_job("join.py", 3, "--hvd", "--horovod", *flags, timeout=240, kind=kind)
+    assert_all_ok(job, 3)
+    assert job.ok_lines("hvd_optimizer") == {0, 1, 2}, job.explain()

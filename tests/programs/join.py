@@ -1,7 +1,8 @@
 """join(): ranks with less data stand in for the others until every rank joined.
 
 Default: the async API (`await coord.join()`); `--hvd`: Horovod's test pattern
-and a DistributedOptimizer with uneven batches (`--shm` keeps shared-memory
+and a DistributedOptimizer with uneven batches (`--hvd --horovod`: the same on real
+Horovod, whose join semantics these checks pin down) (`--shm` keeps shared-memory
 gradient rounds on: once a rank joins, rounds fall back to MPI allreduces).
 Rank r runs `2 + r` steps, so rank 0 joins first and the last rank joins last.
 """
@@ -137,7 +138,7 @@ def check_hvd_allreduce(h: Any) -> None:
         assert torch.allclose(got_a, a * (size - 1) / size), got_a
         assert torch.allclose(got_b, b * (size - 1) / size), got_b
         last = h.join()
-    assert last == size - 1, last
+    assert last == size - 1 or ("--horovod" in sys.argv and last >= 1), last  # a tie: see above
     report(rank, "hvd_allreduce")
 
 
@@ -153,7 +154,10 @@ def train_epoch(h: Any, opt: Any, model: torch.nn.Module, steps: list[int]) -> N
         want = sum(r + 1.0 + step for r in live) / size
         assert torch.allclose(model.weight.grad, torch.full((1, 6), want)), (
             step, model.weight.grad, want)
-    assert h.join() == max(range(size), key=lambda r: (steps[r], r))
+    last = h.join()
+    tied = [r for r in range(size) if steps[r] == max(steps)]
+    # ours breaks a tie by the highest rank; Horovod's pick among tied ranks varies by run
+    assert last == tied[-1] or ("--horovod" in sys.argv and last in tied), (last, steps)
 
 
 def check_hvd_optimizer(h: Any) -> None:
@@ -175,13 +179,19 @@ def check_hvd_optimizer(h: Any) -> None:
     else:
         # +1: rank 0 joins after the one-time re-plan, so shared memory is in use
         train_epoch(h, opt, model, [steps_of(r) + 1 for r in range(size)])
+    if "--horovod" in sys.argv:  # the same gradients on real Horovod: its semantics
+        report(rank, "hvd_optimizer", "on Horovod")
+        return
     shm = opt._reducer.transport is not None
     assert shm == ("--shm" in sys.argv and size > 1), shm
     report(rank, "hvd_optimizer", "over shared memory" if shm else "")
 
 
 def main_hvd() -> None:
-    import asynclock.torch as hvd
+    if "--horovod" in sys.argv:
+        import horovod.torch as hvd
+    else:
+        import asynclock.torch as hvd
 
     hvd.init()
     if hvd.size() > 1 and "--shm" not in sys.argv:
