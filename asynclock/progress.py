@@ -82,6 +82,7 @@ class InflightOp:
     lane: int  # index into `Engine.lanes`; -1 for raw requests (no sequence)
     seq: int
     ident: int  # stable while in flight, so a stall is reported once per op
+    waits_by_design: bool = False  # a joined rank's round (asynclock.join): report, never abort
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +311,8 @@ class Engine:
         now, ops, lanes = time.perf_counter(), list(self.inflight), list(self.lanes)
         index = {id(lane): i for i, lane in enumerate(lanes)}
         views = tuple(InflightOp(describe_op(op), now - op.issued_at, index.get(id(op.lane), -1),
-                                 op.call.seq, id(op)) for op in ops[:limit])
+                                 op.call.seq, id(op), op.call.kind is Kind.JOIN)
+                      for op in ops[:limit])
         return EngineSnapshot(views, len(ops), tuple(lane.seq for lane in lanes),
                               tuple(str(lane.transport.name) for lane in lanes))
 

@@ -344,7 +344,7 @@ class Watchdog:
         if not snap.ops or self._fatal is not None:
             return
         op, p = snap.ops[0], self.policy
-        if p.stall_abort_s > 0 and op.age_s >= p.stall_abort_s:
+        if p.stall_abort_s > 0 and op.age_s >= p.stall_abort_s and not op.waits_by_design:
             self._set_fatal(stall_text(op, snap.lane_names, self.peers, self._lag), StallError,
                             EXIT_STALL)
         elif op.age_s >= p.stall_warn_s and op.ident not in self._reported:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 
@@ -51,6 +53,18 @@ def test_join_before_the_first_round_defers_the_replan(shm: bool) -> None:
                   timeout=120)
     assert_all_ok(job, 3)
     assert job.ok_lines("hvd_optimizer") == {0, 1, 2}, job.explain()
+
+
+def test_a_joined_rank_is_not_a_stall_to_abort() -> None:
+    """Regression: with ASYNCLOCK_STALL_ABORT_S set, a rank waiting in join() past it
+    ended the job; joined rounds are reported like any stall, and never aborted."""
+    env = {"ASYNCLOCK_STALL_WARN_S": "0.5", "ASYNCLOCK_STALL_ABORT_S": "1.0",
+           "ASYNCLOCK_HEARTBEAT_S": "0.1"}
+    job = run_job("join.py", 2, "--long-wait", timeout=120, env=env)
+    assert_all_ok(job, 2)
+    assert job.ok_lines("long_wait") == {0, 1}, job.explain()
+    assert re.search(r"asynclock\[rank 0\]: stall: waiting \d+\.\d s in join #\d+", job.output), \
+        job.explain()
 
 
 @pytest.mark.parametrize("kind", OTHER_KINDS)

@@ -114,8 +114,25 @@ async def check_all_at_once(c: asynclock.Coordinator) -> None:
     report(c.rank, "all_at_once")
 
 
+async def check_long_wait(c: asynclock.Coordinator) -> None:
+    """A joined rank may wait far past ASYNCLOCK_STALL_ABORT_S: it waits by design, so
+    the stall is reported (once) but does not end the job."""
+    if c.rank == 0:
+        assert await c.join() == c.size - 1
+    else:
+        await anyio.sleep(2.5)  # the scenario itself: the others still have work
+        got = await c.allreduce(torch.ones(2))
+        assert torch.equal(got, torch.full((2,), float(c.size - 1))), got
+        assert await c.join() == c.size - 1
+    report(c.rank, "long_wait")
+
+
 async def main() -> None:
     async with asynclock.start() as c:
+        if "--long-wait" in sys.argv:
+            await check_long_wait(c)
+            report(c.rank, "done")
+            return
         await check_uneven(c)
         if c.size > 1:
             await check_refused(c)
