@@ -18,6 +18,14 @@ def test_sync_batch_norm_matches_global_batch_norm(nranks: int, api: str) -> Non
     assert job.ok_lines(f"{api}_api") == set(range(nranks)), job.explain()
 
 
+def test_sync_batch_norm_with_joined_ranks() -> None:
+    """Rank r trains 1 + r steps, then joins: each step's statistics are those of the
+    ranks still active (joined ranks stand in on SyncBatchNorm's channel too)."""
+    job = run_job("sync_batch_norm.py", 3, "--join", timeout=120)
+    assert_all_ok(job, 3)
+    assert job.ok_lines("with_join") == {0, 1, 2}, job.explain()
+
+
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_sync_batch_norm_other_mpi(kind: str) -> None:
     job = run_job("sync_batch_norm.py", 3, timeout=120, kind=kind)

@@ -108,7 +108,34 @@ async def main_async() -> None:
     report(c.rank, "done")
 
 
+def main_join() -> None:
+    """Uneven epochs with SyncBatchNorm and a DistributedOptimizer: joined ranks stand in
+    on the model channel too, so the others' statistics cover the ranks still active."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    mine, ref = model_pair()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mine.parameters(), lr=0.0),
+                                   named_parameters=mine.named_parameters())
+    for step in range(1 + rank):
+        x, counts = batches(size, step)
+        live = [r for r in range(size) if step < 1 + r]
+        lo = sum(counts[:rank])
+        opt.zero_grad()
+        out = mine(x[lo: lo + counts[rank]])
+        first, stop = sum(counts[:live[0]]), sum(counts[:live[-1] + 1])
+        want = ref(x[first:stop])[lo - first: lo - first + counts[rank]]  # active ranks' batch
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        out.sum().backward()
+        opt.step()
+    assert hvd.join() == size - 1
+    report(rank, "with_join")
+    hvd.shutdown()
+    report(rank, "done")
+
+
 if "--async" in sys.argv:
     run(main_async)
+elif "--join" in sys.argv:
+    main_join()
 else:
     main_sync()
