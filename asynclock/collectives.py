@@ -16,6 +16,7 @@ from typing import Any
 import anyio.lowlevel
 import numpy as np
 
+from . import adasum
 from . import collective_ops as ops
 from .handle import Handle
 from .header import Call
@@ -205,6 +206,18 @@ class Collectives:
     async def allgather(self, tensor: Any, *, name: str | None = None) -> Any:
         """Concatenation of every rank's `tensor` along dim 0, in rank order."""
         return await self.allgather_async(tensor, name=name)
+
+    @property
+    def group_size(self) -> int:
+        """How many ranks take part in these collectives (the world, or a process set)."""
+        return self._lane.size
+
+    async def adasum(self, tensor: Any, *, name: str | None = None) -> Any:
+        """Horovod's `op=Adasum` (`asynclock.adasum`): the adaptive sum of `tensor` over
+        ranks, identical on every rank; needs a power-of-two world and a float dtype."""
+        adasum.check_size(self._lane.size)
+        gathered = await self.allgather(tensor.reshape(1, *tensor.shape), name=name)
+        return adasum.reduce_gathered(gathered, tensor)
 
     def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
                              name: str | None = None) -> Handle:

@@ -85,7 +85,7 @@ from .step import TrainStep, TrainStepStatistics, train_step
 from .sync_batch_norm import SyncBatchNorm
 from .tracing import trace_module
 
-Adasum = "adasum"  # accepted by name only: asynclock raises NotImplementedError for it
+Adasum = "adasum"  # hvd.allreduce(op=Adasum) works (asynclock.adasum); the optimizer refuses it
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

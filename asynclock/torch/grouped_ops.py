@@ -16,7 +16,16 @@ import torch
 
 from ..handle import Handle
 from .compression import Compression
-from .mpi_ops import Post, _handles, _prepare, _reduce_op, _register, _start, synchronize
+from .mpi_ops import (
+    Post,
+    _handles,
+    _prepare,
+    _reduce_op,
+    _register,
+    _start,
+    start_allreduce,
+    synchronize,
+)
 from .process_sets import api_of
 
 
@@ -54,9 +63,11 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
     api = api_of(process_set)
     prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor)
                 for t in tensors]
-    starts = [_allreduce_start(api, work, rop, _part(name, n))
-              for n, (work, rop, _) in enumerate(prepared)]
-    return _start_group(starts, [post for _, _, post in prepared])
+    pairs = [start_allreduce(api, work, rop, _part(name, n))
+             for n, (work, rop, _) in enumerate(prepared)]
+    return _start_group([start for start, _ in pairs],
+                        [_then(finish, post) for (_, finish), (_, _, post) in
+                         zip(pairs, prepared, strict=True)])
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
@@ -153,9 +164,8 @@ def _same(x: Any) -> Any:
     return x
 
 
-def _allreduce_start(api: Any, work: torch.Tensor, rop: Any,
-                     name: str | None) -> Callable[[], Handle]:
-    return lambda: api.allreduce_async(work, rop, name=name)
+def _then(first: Post, second: Post) -> Post:
+    return lambda x: second(first(x))
 
 
 def _gather_start(api: Any, t: torch.Tensor, name: str | None) -> Callable[[], Handle]:

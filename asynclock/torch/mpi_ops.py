@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import runtime
+from .. import adasum, runtime
 from ..handle import Handle
 from ..ops import ReduceOp, as_reduce_op
 from .compression import Compression
@@ -29,11 +29,12 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 
 
+ADASUM = "adasum"  # hvd.Adasum: not an MPI op, see `start_allreduce`
+
+
 def _reduce_op(average: bool | None, op: Any) -> ReduceOp:
     if op is not None and average is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if isinstance(op, str) and op.lower() == "adasum":
-        raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
     if op is None:
         return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
     return as_reduce_op(op)
@@ -74,9 +75,10 @@ def synchronize(handle: int) -> Any:
 # -- allreduce --------------------------------------------------------------------------
 def _prepare(tensor: torch.Tensor, average: bool | None, compression: Any, op: Any,
              prescale_factor: float, postscale_factor: float
-             ) -> tuple[torch.Tensor, ReduceOp, Post]:
-    """Compress and prescale a copy of `tensor`; `post` undoes both on the result."""
-    rop = _reduce_op(average, op)
+             ) -> tuple[torch.Tensor, Any, Post]:
+    """Compress and prescale a copy of `tensor`; `post` undoes both on the result.
+    The op is a ReduceOp, or ADASUM."""
+    rop = ADASUM if _is_adasum(op, average) else _reduce_op(average, op)
     work, ctx = compression.compress(tensor)
     if prescale_factor != 1.0:
         work = work * prescale_factor
@@ -95,8 +97,30 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     """Start an averaged (default) or summed allreduce of a copy of `tensor`."""
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
                                postscale_factor)
-    api = api_of(process_set)
-    return _register(_start(lambda: api.allreduce_async(work, rop, name=name)), post)
+    start, finish = start_allreduce(api_of(process_set), work, rop, name)
+    return _register(_start(start), lambda out: post(finish(out)))
+
+
+def start_allreduce(api: Any, work: torch.Tensor, rop: Any, name: str | None
+                    ) -> tuple[Callable[[], Handle], Post]:
+    """How to start the allreduce on the loop, and what to do with its result there after.
+
+    Adasum is no MPI op: its handle is an allgather of every rank's tensor, and the
+    caller's thread folds the rows (`asynclock.adasum`), identically on every rank."""
+    if rop != ADASUM:
+        return (lambda: api.allreduce_async(work, rop, name=name)), _same
+    adasum.check_size(api.group_size)
+    rows = work.reshape(1, *work.shape)
+    return (lambda: api.allgather_async(rows, name=name)), (
+        lambda gathered: adasum.reduce_gathered(gathered, work))
+
+
+def _is_adasum(op: Any, average: bool | None) -> bool:
+    return isinstance(op, str) and op.lower() == ADASUM and average is None
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -109,6 +133,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     loss then takes the small-message path), instead of `allreduce_async` plus
     `synchronize`: each hop costs ~150 us here.
     """
+    if _is_adasum(op, average):
+        result: torch.Tensor = synchronize(allreduce_async(
+            tensor, average, name, compression, op, prescale_factor, postscale_factor,
+            process_set))
+        return result
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
                                postscale_factor)
     api = api_of(process_set)

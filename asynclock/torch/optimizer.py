@@ -191,7 +191,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
 def _check_unsupported(op: Any, sparse_as_dense: bool) -> None:
     if isinstance(op, str) and op.lower() == "adasum":
-        raise NotImplementedError("Adasum is not supported by asynclock; use Average or Sum")
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not supported (Horovod "
+                                  "applies it to optimizer deltas); hvd.allreduce(op=hvd.Adasum) "
+                                  "works for tensors; use Average or Sum here")
     del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed
 
 
