@@ -32,6 +32,14 @@ from ..runtime import (
 )
 from .compression import Compression, Compressor
 from .config import Tuning, training_policy
+from .extras import (
+    HorovodInternalError,
+    ccl_built,
+    ddl_built,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
+)
 from .grouped_ops import (
     alltoall_async,
     grouped_allgather,
@@ -153,7 +161,8 @@ __all__ = [
     "broadcast_async_", "broadcast_object", "alltoall_async", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
-    "reducescatter_async", "broadcast_optimizer_state",
+    "reducescatter_async", "HorovodInternalError", "ccl_built", "ddl_built",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "broadcast_optimizer_state",
     "broadcast_optimizer_state_async", "broadcast_parameters", "broadcast_parameters_async",
     "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "grouped_allreduce",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",

@@ -21,6 +21,9 @@ import torch.utils.data.distributed
 from _common import report
 
 if "--horovod" in sys.argv:
+    import os
+
+    os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # Horovod's start_timeline needs it
     import horovod.torch as hvd
 else:
     import asynclock.torch as hvd
@@ -163,7 +166,36 @@ def check_collectives() -> None:
     obj = hvd.broadcast_object({"from": rank}, root_rank=0)
     assert obj == {"from": 0}, obj
     check_grouped(rank, size)
+    check_extras(rank, size)
     report(rank, "collectives")
+
+
+def check_extras(rank: int, size: int) -> None:
+    """sparse_allreduce_async, the timeline switch, the error class, the build probes."""
+    import os
+    import tempfile
+
+    sparse = torch.sparse_coo_tensor([[rank, size]], [float(rank + 1), 1.0], (size + 1,))
+    got = hvd.sparse_allreduce_async(sparse, "sparse", hvd.Sum)()  # Horovod: a function
+    want = torch.tensor([float(r + 1) for r in range(size)] + [float(size)])
+    assert torch.equal(got.to_dense(), want), got
+    avg = hvd.sparse_allreduce_async(sparse, "sparse.avg", hvd.Average)()
+    assert torch.allclose(avg.to_dense(), want / size), avg
+    assert issubclass(hvd.HorovodInternalError, Exception) and hvd.ccl_built() is False
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, root_rank=0,
+                                  name="folder")  # Horovod names it by type otherwise
+    path = os.path.join(folder, "timeline.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(2), name="timed")
+    hvd.stop_timeline()
+    if rank == 0:
+        assert os.path.getsize(path) > 0, path
+        if "--horovod" not in sys.argv:  # ours: one merged Chrome trace, every rank in it
+            import json
+
+            events = json.load(open(path))["traceEvents"]
+            timed = {e.get("pid") for e in events if "timed" in str(e.get("args", ""))}
+            assert len(timed) == size, (timed, events[:5])
 
 
 def check_grouped(rank: int, size: int) -> None:
