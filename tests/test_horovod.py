@@ -9,6 +9,8 @@ Jobs skip with the reason when Horovod cannot be imported here.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from mpijob import (
     assert_all_ok,
     horovod_status,
     horovodrun_missing,
+    mpi_select,
     run_horovodrun,
     run_job,
 )
@@ -236,3 +239,20 @@ def test_the_drop_in_script_passes_on_real_horovod_too() -> None:
                   kind=kind)
     assert_all_ok(job, 2)
     assert job.ok_lines("collectives") == {0, 1}, job.explain()
+
+
+@pytest.mark.horovod
+def test_every_public_horovod_torch_name_exists_in_asynclock_torch() -> None:
+    """After `import asynclock.torch as hvd`, no Horovod 0.28 name a script may use is
+    missing (probed in a subprocess: importing Horovod loads its libmpi)."""
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    code = ("import types, horovod.torch as h, asynclock.torch as a\n"
+            "names = {n for n in dir(h) if not n.startswith('_')\n"
+            "         and not isinstance(getattr(h, n), types.ModuleType)}\n"
+            "print(sorted(names - set(dir(a)) - {'check_extension'}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, env=mpi_select.environ_for(kind))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
