@@ -3,6 +3,8 @@ and the same checks pass on Horovod 0.28.1 (so they are Horovod's semantics)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 
@@ -39,3 +41,27 @@ def test_adasum_checks_pass_on_real_horovod(nranks: int) -> None:
     job = run_job("adasum.py", nranks, "--horovod", timeout=240, kind=kind)
     assert_all_ok(job, nranks)
     assert job.ok_lines("adasum") == set(range(nranks)), job.explain()
+
+
+def _optimizer_values(job_output: str) -> list[float]:
+    m = re.search(r"RANK 0 OK optimizer ([-0-9. ]+)", job_output)
+    assert m, job_output[-3000:]
+    return [float(v) for v in m.group(1).split()]
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_adasum_optimizer_ends_where_horovods_does(nranks: int) -> None:
+    """DistributedOptimizer(op=Adasum), SGD with momentum, 3 steps from the same start and
+    data: asynclock's parameters equal Horovod 0.28.1's (each rank's own optimizer step,
+    then the changes combined with Adasum)."""
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    ours = run_job("adasum.py", nranks, "--optimizer", timeout=180, kind=kind)
+    theirs = run_job("adasum.py", nranks, "--optimizer", "--horovod", timeout=240, kind=kind)
+    for job in (ours, theirs):
+        assert_all_ok(job, nranks)
+        assert job.ok_lines("optimizer") == set(range(nranks)), job.explain()
+    assert _optimizer_values(ours.output) == pytest.approx(_optimizer_values(theirs.output),
+                                                           abs=2e-6)

@@ -93,7 +93,7 @@ from .step import TrainStep, TrainStepStatistics, train_step
 from .sync_batch_norm import SyncBatchNorm
 from .tracing import trace_module
 
-Adasum = "adasum"  # hvd.allreduce(op=Adasum) works (asynclock.adasum); the optimizer refuses it
+Adasum = "adasum"  # hvd.allreduce(op=Adasum) and DistributedOptimizer(op=Adasum) (asynclock.adasum)
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

@@ -174,7 +174,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gate_forward: torch.nn.Module | None = None,
                          tuning: Tuning | None = None) -> Any:
     """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks."""
-    _check_unsupported(op, sparse_as_dense)
+    if isinstance(op, str) and op.lower() == "adasum":
+        from .adasum_optimizer import adasum_optimizer
+
+        return adasum_optimizer(optimizer, compression)
+    del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed
     from .compression import Compression
 
     options = {"compression": compression or Compression.none,
@@ -187,14 +191,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
     return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
                gate_forward, process_set)
-
-
-def _check_unsupported(op: Any, sparse_as_dense: bool) -> None:
-    if isinstance(op, str) and op.lower() == "adasum":
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not supported (Horovod "
-                                  "applies it to optimizer deltas); hvd.allreduce(op=hvd.Adasum) "
-                                  "works for tensors; use Average or Sum here")
-    del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer

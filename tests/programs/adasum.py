@@ -83,10 +83,32 @@ def check_ints(rank: int) -> None:
     report(rank, "ints")
 
 
+def check_optimizer(rank: int, size: int) -> None:
+    """DistributedOptimizer(op=Adasum) with momentum, 3 steps: every rank ends on the same
+    parameters; their values are printed so a test compares them with Horovod's run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rows = hvd.allgather(flat[None], name="ada.params")
+    assert all(torch.allclose(rows[0], rows[r], atol=1e-6) for r in range(size)), rows
+    report(rank, "optimizer", " ".join(f"{v:.6f}" for v in flat.tolist()))
+
+
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    if size & (size - 1):
+    if "--optimizer" in sys.argv:
+        check_optimizer(rank, size)
+    elif size & (size - 1):
         check_refused(rank, size)
     else:
         check_values(rank)
