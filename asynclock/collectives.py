@@ -215,7 +215,7 @@ class Collectives:
     async def adasum(self, tensor: Any, *, name: str | None = None) -> Any:
         """Horovod's `op=Adasum` (`asynclock.adasum`): the adaptive sum of `tensor` over
         ranks, identical on every rank; needs a power-of-two world and a float dtype."""
-        adasum.check_size(self._lane.size)
+        adasum.check_size(self.group_size)
         gathered = await self.allgather(tensor.reshape(1, *tensor.shape), name=name)
         return adasum.reduce_gathered(gathered, tensor)
 

@@ -15,8 +15,9 @@ import torch
 
 from .. import runtime, timeline
 from ..errors import AsynclockError
+from ..ops import ReduceOp
 from .grouped_ops import GroupHandle
-from .mpi_ops import _register, _start, synchronize
+from .mpi_ops import _reduce_op, _register, _start, synchronize
 from .process_sets import api_of
 
 # What Horovod raises when a collective fails; asynclock's errors all derive from this.
@@ -57,15 +58,13 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     """Horovod's sparse allreduce: every rank's (index, value) pairs gathered, summed
     where indices repeat (`coalesce`), divided by the size for Average. As in
     Horovod, the handle is a function: call it for the result."""
-    from ..ops import ReduceOp, as_reduce_op
-
     sparse = tensor.coalesce()
     api = api_of(process_set)
     indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()
     group = _start(lambda: GroupHandle([
         api.allgather_async(indices, name=f"{name}.indices" if name else None),
         api.allgather_async(values, name=f"{name}.values" if name else None)]))
-    average = op is None or as_reduce_op(op) is ReduceOp.AVERAGE
+    average = _reduce_op(None, op) is ReduceOp.AVERAGE
 
     def post(parts: list[Any]) -> torch.Tensor:
         every_index, every_value = parts

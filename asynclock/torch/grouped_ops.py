@@ -18,13 +18,14 @@ from ..handle import Handle
 from .compression import Compression
 from .mpi_ops import (
     Post,
-    _handles,
     _prepare,
     _reduce_op,
     _register,
+    _same,
     _start,
     start_allreduce,
     synchronize,
+    then,
 )
 from .process_sets import api_of
 
@@ -86,10 +87,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
     """In place: `synchronize` writes each result into its tensor and returns them."""
     n = grouped_allreduce_async(tensors, average, name, Compression.none, op, prescale_factor,
                                 postscale_factor, process_set)
-    handle, post = _handles[n]
-    _handles[n] = (handle, lambda out: [t.copy_(r) for t, r in zip(tensors, post(out),
-                                                                   strict=True)])
-    return n
+    return then(n, lambda out: [t.copy_(r) for t, r in zip(tensors, out, strict=True)])
 
 
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
@@ -114,21 +112,19 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
                         op: Any = None, process_set: Any = None) -> int:
-    return grouped_reducescatter_async([tensor], name, compression, op, process_set, _single=True)
+    """Start `reducescatter`; `synchronize` returns this rank's slice."""
+    api, rop = api_of(process_set), _reduce_op(None, op)
+    return _register(_start(_scatter_start(api, tensor.contiguous(), rop, name)), _same)
 
 
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
                                 compression: Any = None, op: Any = None,
-                                process_set: Any = None, *, _single: bool = False) -> int:
+                                process_set: Any = None) -> int:
     """Reduce each tensor (Average unless `op`), keep this rank's slice of dim 0."""
     api, rop = api_of(process_set), _reduce_op(None, op)
-    starts = [_scatter_start(api, t.contiguous(), rop, name if _single else _part(name, n))
+    starts = [_scatter_start(api, t.contiguous(), rop, _part(name, n))
               for n, t in enumerate(tensors)]
-    n = _start_group(starts, [_same] * len(tensors))
-    if _single:
-        handle, post = _handles[n]
-        _handles[n] = (handle, lambda out: post(out)[0])
-    return n
+    return _start_group(starts, [_same] * len(tensors))
 
 
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
@@ -158,10 +154,6 @@ def _results(handle: int) -> list[Any]:
 
 def _part(name: str | None, n: int) -> str | None:
     return f"{name}.{n}" if name else None
-
-
-def _same(x: Any) -> Any:
-    return x
 
 
 def _then(first: Post, second: Post) -> Post:

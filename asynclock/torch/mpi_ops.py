@@ -152,8 +152,13 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """In-place variant: `synchronize` writes the result into `tensor` and returns it."""
     n = allreduce_async(tensor, average, name, Compression.none, op, prescale_factor,
                         postscale_factor, process_set)
+    return then(n, tensor.copy_)
+
+
+def then(n: int, step: Post) -> int:
+    """Handle `n`, with `step` applied to what its `synchronize` returned so far."""
     handle, post = _handles[n]
-    _handles[n] = (handle, lambda out: tensor.copy_(post(out)))
+    _handles[n] = (handle, lambda out: step(post(out)))
     return n
 
 

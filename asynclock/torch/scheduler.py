@@ -33,6 +33,14 @@ from ..tensors import Buffer, as_buffer
 from .run import StepRun
 
 
+def bucket_op(lane: Lane, buf: Buffer, name: str, on_done: Callable[[BucketOp], None]
+              ) -> BucketOp:
+    """An in-place sum of `buf` on `lane`, next in the lane's order (not yet submitted)."""
+    call = Call(Kind.ALLREDUCE, lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
+                shape=buf.shape, nbytes=buf.array.nbytes, name=name)
+    return BucketOp(lane, call, buf, on_done)
+
+
 class BucketOp(AllreduceOp):
     """An in-place sum of one bucket that reports its end to the scheduler."""
 
@@ -121,10 +129,7 @@ class Scheduler:
             return
         try:
             buf = as_buffer(run.storage.comm[k], writable=True)
-            call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.SUM),
-                        dtype=buf.code, shape=buf.shape, nbytes=buf.array.nbytes,
-                        name=f"grad.g{run.generation}.b{k}")
-            self.engine.submit(BucketOp(self.lane, call, buf, done))
+            self.engine.submit(bucket_op(self.lane, buf, f"grad.g{run.generation}.b{k}", done))
         except Exception as exc:  # the transport refused: this bucket fails, ranks stay in step
             self._finished(run, k, nbytes, BackendError(f"gradient bucket {k}: {exc}"))
 

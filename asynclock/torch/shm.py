@@ -41,7 +41,7 @@ from ..progress import Engine
 from ..tensors import as_buffer
 from .buckets import Bucket, Plan
 from .run import StepRun
-from .scheduler import BucketOp
+from .scheduler import BucketOp, bucket_op
 
 ALIGN = 64
 Done = Callable[[BaseException | None], None]
@@ -266,13 +266,11 @@ class ShmTransport:
             k = rnd.order[rnd.over_mpi]
             b = self.plan.buckets[k]
             view = self.peers[b.group][self.arena.rank][b.offset: b.offset + b.numel]
-            buf = as_buffer(view, writable=True)
-            call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.SUM),
-                        dtype=buf.code, shape=buf.shape, nbytes=buf.array.nbytes,
-                        name=f"{tag}.m{rnd.over_mpi}")
+            done = partial(self._reduced_over_mpi, rnd, k, view)
+            op = bucket_op(self.lane, as_buffer(view, writable=True), f"{tag}.m{rnd.over_mpi}",
+                           done)
             rnd.over_mpi += 1
-            self.engine.submit(BucketOp(self.lane, call, buf,
-                                        partial(self._reduced_over_mpi, rnd, k, view)))
+            self.engine.submit(op)
 
     def _reduced_over_mpi(self, rnd: _Round, k: int, view: torch.Tensor, op: BucketOp) -> None:
         if rnd.failed:
