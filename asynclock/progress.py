@@ -33,7 +33,7 @@ from .errors import BackendError
 from .header import Call
 from .operation import Lane, Operation, State
 from .ops import DTYPE_NAMES, Kind, ReduceOp
-from .threadsafe import loop_caller
+from .threadsafe import loop_caller, name_os_thread
 
 
 def _env_float(name: str, default: float) -> float:
@@ -405,6 +405,7 @@ class _WaitThread:
         self._queue.put((op, request))
 
     def _run(self) -> None:
+        name_os_thread("asynclock-wait")
         while (item := self._queue.get()) is not None:
             self._wait(*item)
             # Hold no reference while idle: if the last buffer were freed here at

@@ -30,6 +30,7 @@ from .operation import Lane
 from .process_sets import Subset, make_subset, remove_subset
 from .progress import Engine, EngineStatistics, ProgressPolicy
 from .sync import SyncPrimitives
+from .threadsafe import name_os_thread
 from .tiny import TinyCollectives, TinyStatistics
 from .watchdog import Watchdog
 
@@ -280,6 +281,7 @@ class Coordinator(Collectives, SyncPrimitives):
             self._portal.start_task_soon(self._engine.run)
             self._portal.start_task_soon(self.sync.run)
             self._portal.call(self._start_engine_task)
+            self._portal.call(name_os_thread, "asynclock-loop")
         return self._portal
 
     async def _start_engine_task(self) -> None:

@@ -8,6 +8,8 @@ the backends' own fire-and-forget entry points.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 from collections.abc import Callable
 
 import sniffio
@@ -31,3 +33,20 @@ def _quiet(schedule: Callable[[Callable[[], object]], object], fn: Callable[[], 
     """A loop that already closed has nobody left to wake: drop the call."""
     with contextlib.suppress(RuntimeError):
         schedule(fn)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (15 bytes at most) in the OS as well.
+
+    Python's thread names stay inside Python; `top -H`, `perf`, py-spy's
+    native view and `bench/train.py --threads` read the kernel's, which is
+    "python" for every thread unless set. Linux only; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+_PR_SET_NAME = 15

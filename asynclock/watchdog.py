@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import RankFailedError, StallError
 from .failure import EXIT_RANK_FAILED, EXIT_STALL, hard_exit, write_stderr
 from .progress import Engine, EngineSnapshot, InflightOp
+from .threadsafe import name_os_thread
 
 if TYPE_CHECKING:
     from .runtime import Coordinator
@@ -231,6 +232,7 @@ class Watchdog:
 
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread("asynclock-watch")
         while not self._stop.is_set() and self._fatal is None:
             self._wake.clear()
             self._tick()

@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -231,14 +230,15 @@ async def main() -> None:
                           "ratio_to_raw": v / raw, "link": args.link}
                          for k, v in medians.items()]
         idle = {} if args.skip_idle else await idle_cpu(coord)
+        bulk = getattr(coord.backend, "bulk_choice", "")
         systems.close()
     if WORLD.rank == 0:
         print(f"# {WORLD.size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
-              f"{platform.node()}")
+              f"{platform.node()}; asynclock bulk allreduces: {bulk or 'n/a'}")
         print(render(rows, idle))
         if args.json:
             meta = {"mpi": MPI.Get_library_version().splitlines()[0].strip(), "ranks": WORLD.size,
-                    "link": args.link}
+                    "link": args.link, "bulk": bulk}
             with open(args.json, "w") as fh:
                 json.dump({"meta": meta, "rows": rows, "idle_cpu_fraction": idle}, fh, indent=1)
 

@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="steps per method before timing")
     p.add_argument("--windows", type=int, default=7)
     p.add_argument("--steps", type=int, default=6, help="steps per timed window")
+    p.add_argument("--threads", action="store_true",
+                   help="also print rank 0's CPU per step of each thread, by name")
     p.add_argument("--bucket-mb", type=float, default=None, help="asynclock bucket cap")
     p.add_argument("--compression", choices=("none", "fp16"), default="none",
                    help="gradient compression for Horovod and asynclock (DDP: none)")
@@ -244,14 +247,34 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
 
 
 # -- timing -----------------------------------------------------------------------------
-def window(step: Step, n: int) -> tuple[float, float]:
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads, by thread name
+    (schedstat: nanoseconds on a CPU; Linux only, else empty)."""
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").glob("*") if sys.platform == "linux" else ():
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0.0) + ns * 1e-9
+    return out
+
+
+def window(step: Step, n: int, threads: dict[str, float] | None = None
+           ) -> tuple[float, float]:
     """Seconds for n steps on the slowest rank (all ranks start together), and the
-    CPU seconds this rank's process used meanwhile (every thread counts)."""
+    CPU seconds this rank's process used meanwhile (every thread counts); adds
+    each thread's CPU seconds into `threads` when given (`--threads`)."""
     WORLD.Barrier()
+    before = thread_cpu() if threads is not None else {}
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n):
         step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if threads is not None:
+        for name, sec in thread_cpu().items():
+            threads[name] = threads.get(name, 0.0) + sec - before.get(name, 0.0)
     return float(WORLD.allreduce(wall, op=MPI.MAX)), cpu
 
 
@@ -280,12 +303,25 @@ def measure(model: str, names: list[str], args: argparse.Namespace
     order = list(steps)
     for w in range(args.windows):
         for name in order[w % len(order):] + order[: w % len(order)]:
-            wall, cpu = window(steps[name], args.steps)
+            per_thread = THREADS.setdefault(model, {}).setdefault(name, {})
+            wall, cpu = window(steps[name], args.steps, per_thread if args.threads else None)
             times[name].append(wall / args.steps)
             cpus[name].append(cpu / args.steps)
     return ({n: statistics.median(ts) for n, ts in times.items()},
             {n: statistics.median(cs) for n, cs in cpus.items()},
             {n: min(ts) for n, ts in times.items()})
+
+
+THREADS: dict[str, dict[str, dict[str, float]]] = {}  # model -> method -> thread -> s
+
+
+def thread_table(model: str, args: argparse.Namespace) -> None:
+    """`--threads`: rank 0's CPU ms per step of each thread, by thread name."""
+    steps = args.windows * args.steps
+    for method, threads in THREADS.get(model, {}).items():
+        busy = sorted(threads.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{n} {1e3 * s / steps:.1f}" for n, s in busy if s * 1e3 / steps >= 0.5)
+        print(f"  {method:20s} cpu ms/step by thread: {shown}")
 
 
 def note(text: str) -> None:
@@ -321,6 +357,8 @@ def main() -> None:
             out["exposed_comm"][model] = {n: max(0.0, 1 - per_step["compute"] / s)
                                           for n, s in per_step.items() if n != "compute"}
         table(model, out)
+        if args.threads and WORLD.rank == 0:
+            thread_table(model, args)
     if args.json and WORLD.rank == 0:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

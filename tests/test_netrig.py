@@ -116,6 +116,19 @@ def placement(job: LiveJob, n: int) -> None:
         assert detail.endswith(f" nr{r + 1}"), f"rank {r} on {detail!r}\n" + job.explain()
 
 
+def measured_bulk_choice(job: LiveJob, n: int) -> None:
+    """Across hosts `auto` timed MPI against gloo; every rank chose alike, and
+    the 16 MiB allreduce took the chosen path (gloo_bulk)."""
+    details = {job.detail(r, "collective") or "" for r in range(n)}
+    bulks = {d.split(" | ")[1] if " | " in d else d for d in details}
+    assert len(bulks) == 1, f"ranks chose differently: {bulks}\n" + job.explain()
+    bulk = bulks.pop()
+    assert re.match(r"bulk (gloo|mpi) \(16 MiB allreduce: gloo [\d.]+ ms, MPI [\d.]+ ms\)$",
+                    bulk), bulk
+    calls = {d.rsplit("gloo calls ", 1)[-1] for d in details}
+    assert calls == ({"1"} if bulk.startswith("bulk gloo") else {"0"}), details
+
+
 def brief_cut(rig: netrig_rig.Rig, job: LiveJob, host: str, workdir: Path,
               n: int) -> None:
     """Cut `host` for BRIEF_CUT_S, heal it, then let the ranks stop their loop."""
@@ -185,6 +198,7 @@ def test_two_hosts_lock_train_brief_cut_then_cut(rig: netrig_rig.Rig, kind: str,
         expect(job, "collective", range(2))
         placement(job, 2)
         assert rig.rx_bytes("nr2") >= 2 << 20, "the 4 MiB allreduce did not cross the link"
+        measured_bulk_choice(job, 2)
         for label in ("lock", "train"):
             expect(job, label, range(2))
         brief_cut(rig, job, "nr2", tmp_path, 2)

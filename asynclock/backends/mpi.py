@@ -10,6 +10,7 @@ import numpy as np
 
 from ..ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
+from .gloo_bulk import GlooGroup, GlooStore
 from .ring import ring_allreduce_half
 
 
@@ -51,7 +52,7 @@ def _scaled(counts: list[int], arr: Array) -> list[int]:
 class MPIChannel:
     """One subsystem's private header and data communicators."""
 
-    def __init__(self, world: Any, name: str) -> None:
+    def __init__(self, world: Any, name: str, gloo: GlooStore | None = None) -> None:
         self.name = name
         self.hdr = world.Dup()
         self.data = world.Dup()
@@ -64,7 +65,7 @@ class MPIChannel:
         self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
-        self._bulk_view = BulkChannel(self)
+        self._bulk_view = BulkChannel(self, gloo.group(name) if gloo is not None else None)
         # `iallgather_slots` without the Python frame, for asynclock.tiny's hot path
         self.iallgather_slots_direct: Callable[[Array, Array], Request] = self.hdr.Iallgather
 
@@ -144,6 +145,8 @@ class MPIBackend:
         self.cross_rank = self._cross.Get_rank()
         self.cross_size = self._cross.Get_size()
         self.thread_level = MPI.Query_thread()
+        self._gloo: GlooStore | None = None
+        self.bulk_choice = ""  # how bulk allreduces travel, decided at the first channel
         self._channels: list[MPIChannel] = []
         # The watchdog's heartbeats travel on their own communicator, so they
         # never match anything else and a busy data channel cannot delay them.
@@ -152,7 +155,9 @@ class MPIBackend:
 
     def channel(self, name: str) -> MPIChannel:
         """Collective call: every rank must create channels in the same order."""
-        ch = MPIChannel(self.world, name)
+        if not self.bulk_choice:
+            self._gloo, self.bulk_choice = GlooStore.connect(self.world)
+        ch = MPIChannel(self.world, name, self._gloo)
         self._channels.append(ch)
         return ch
 
@@ -176,6 +181,10 @@ class MPIBackend:
         """Free one channel's communicators (its members, once nothing is in flight)."""
         close_channel_of(self._channels, channel)
 
+    def gloo_calls(self) -> int:
+        """Bulk allreduces that went through gloo so far (all channels)."""
+        return sum(ch.bulk_view().gloo_calls() for ch in self._channels)
+
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"
@@ -191,13 +200,21 @@ class MPIBackend:
 
 class BulkChannel:
     """Blocking collectives on the channel's `bulk` communicator, deferred to the
-    engine's wait thread (see `Deferred` for why bulk data goes blocking)."""
+    engine's wait thread (see `Deferred` for why bulk data goes blocking; and
+    `gloo_bulk` for why allreduces across hosts may go through gloo)."""
 
-    def __init__(self, chan: MPIChannel) -> None:
+    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None) -> None:
         self.name, self.rank, self.size = chan.name, chan.rank, chan.size
         self._c = chan.bulk
+        self.gloo = gloo
+
+    def gloo_calls(self) -> int:
+        return self.gloo.calls if self.gloo is not None else 0
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        gloo = self.gloo
+        if gloo is not None and gloo.handles(recv, op):
+            return Deferred(lambda: gloo.allreduce(recv, op, send))
         src = _mpi().IN_PLACE if send is None else send
         return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
 

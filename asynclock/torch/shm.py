@@ -39,6 +39,7 @@ from ..operation import Lane
 from ..ops import DTYPE_CODES, Kind, ReduceOp
 from ..progress import Engine
 from ..tensors import as_buffer
+from ..threadsafe import name_os_thread
 from .buckets import Bucket, Plan
 from .run import StepRun
 from .scheduler import BucketOp, bucket_op
@@ -121,6 +122,7 @@ class _Worker:
         self._queue.put((job, then))
 
     def _run(self) -> None:
+        name_os_thread("asynclock-shm")
         while (item := self._queue.get()) is not None:
             self._do(*item)
             del item  # hold no tensor while idle (see progress._WaitThread)

@@ -52,7 +52,11 @@ async def check_collective(c: asynclock.Coordinator) -> None:
     assert c.local_size == 1, f"MPI puts {c.local_size} ranks on this host: shared memory"
     big = await c.allreduce(np.ones(1 << 20, np.float32))  # 4 MiB: a bulk data stage
     assert (big == c.size).all()
-    report(c.rank, "collective", ",".join(hosts))
+    huge = await c.allreduce(np.arange(1 << 22, dtype=np.float32) % 5 + c.rank)  # 16 MiB
+    assert (huge == (np.arange(1 << 22) % 5) * c.size + sum(range(c.size))).all()
+    bulk = getattr(c.backend, "bulk_choice", "")
+    report(c.rank, "collective", ",".join(hosts) + f" | bulk {bulk} | gloo calls "
+           f"{c.backend.gloo_calls() if bulk else 0}")
 
 
 async def check_lock(c: asynclock.Coordinator, workdir: Path) -> None:
@@ -126,6 +130,8 @@ async def wait_for_cut(c: asynclock.Coordinator) -> None:
 
 
 async def main() -> None:
+    if "--skip-train" not in sys.argv:
+        import torch  # noqa: F401  - before start: then bulk allreduces may go over gloo
     workdir = Path(sys.argv[1])
     async with asynclock.start() as c:
         report(c.rank, "pid", f"{os.getpid()} {socket.gethostname()}")

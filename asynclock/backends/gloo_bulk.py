@@ -1,0 +1,207 @@
+"""Bulk allreduces across hosts over gloo, torch's own TCP collectives.
+
+Why: between hosts connected by TCP, MPI's blocking Allreduce spins a core
+for as long as the wire is busy, and its large-message path is slower than
+gloo's pipelined ring. On two netrig hosts at 5 Gbit/s (bench/collectives.py,
+2 ranks): 64 MiB took 130 ms with MPICH and 135-149 ms with Open MPI 4, 114-117
+ms with gloo, whose thread sleeps in the kernel until data arrives. So when a
+channel's ranks span hosts and the program uses torch, asynclock hands the
+channel's large allreduces (16 MiB and more: `GLOO_MIN_BYTES`; run in the
+engine's wait thread) to a private gloo group. Everything else stays on MPI: the
+header round that checks and orders every call comes first, so gloo sees
+the calls in the same order on every rank, one at a time per channel.
+
+The group is asynclock's own (`ProcessGroupGloo` on a private `TCPStore`),
+not `torch.distributed`'s default group, so a program's own DDP or
+`init_process_group` is untouched. Setting it up is collective and agreed:
+if any rank cannot (no torch, an unreachable address), no rank uses gloo.
+
+Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
+IPoIB) would be far slower. So `auto` measures before it chooses: the
+first channel times a 16 MiB allreduce both ways (3 each, every rank), takes
+the slowest rank's figures, and uses gloo only if it beats MPI by 10%; the
+figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
+`auto` (measured, across hosts only), `measure` (measured, also within a
+node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
+`MPIBackend.bulk_choice` says what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from ..ops import ReduceOp
+
+Array = np.ndarray[Any, Any]
+GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
+GLOO_MIN_BYTES = int(os.environ.get("ASYNCLOCK_GLOO_MIN_BYTES", 16 << 20))
+SETUP_TIMEOUT = timedelta(seconds=60)
+OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
+
+
+def mode() -> str:
+    return os.environ.get("ASYNCLOCK_BULK", "auto")
+
+
+def spans_hosts(comm: Any) -> bool:
+    """Collective: does `comm` reach ranks on another node?"""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return bool(node.Get_size() < comm.Get_size())
+    finally:
+        node.Free()
+
+
+def _gloo_usable() -> bool:
+    """torch with gloo, already imported by the program (asynclock alone never
+    pays for importing torch)."""
+    if "torch" not in __import__("sys").modules:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_gloo_available())
+    except ImportError:
+        return False
+
+
+def _agreed(comm: Any, ok: bool) -> bool:
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+
+class GlooStore:
+    """One TCP store per backend (rank 0 serves it); a gloo group per channel."""
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self._made = 0
+
+    @classmethod
+    def connect(cls, comm: Any) -> tuple[GlooStore | None, str]:
+        """Collective over `comm`: a store every rank reached (or None on all),
+        and why (`MPIBackend.bulk_choice`)."""
+        spans = spans_hosts(comm)  # always: a collective every rank takes part in
+        if mode() == "mpi" or (mode() == "auto" and not spans):  # "measure": probe anyway
+            return None, f"mpi ({'ASYNCLOCK_BULK=mpi' if mode() == 'mpi' else 'one node'})"
+        if not _agreed(comm, _gloo_usable()):
+            return None, "mpi (torch with gloo not imported on every rank)"
+        where = _serve(comm.Get_size(), spans) if comm.Get_rank() == 0 else None
+        store = _reach(comm, comm.bcast(where, root=0))
+        if not _agreed(comm, store is not None):
+            return None, "mpi (a rank could not reach rank 0's gloo store)"
+        made = cls(store, comm.Get_rank(), comm.Get_size())
+        if mode() == "gloo":
+            return made, "gloo (ASYNCLOCK_BULK=gloo)"
+        choice = _probe(comm, made.group("probe"))
+        return (made if choice.startswith("gloo") else None), choice
+
+    def group(self, name: str) -> GlooGroup:
+        """Collective (every rank makes channels in the same order)."""
+        import torch.distributed as dist
+
+        self._made += 1
+        prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
+            f"asynclock/{self._made}/{name}", self.store)
+        return GlooGroup(dist.ProcessGroupGloo(prefixed, self.rank, self.size, OP_TIMEOUT))
+
+
+_SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
+
+
+def _serve(size: int, spans: bool) -> tuple[str, int] | None:
+    """Rank 0: listen on an address the other hosts can reach."""
+    import torch.distributed as dist
+
+    try:
+        addr = socket.gethostbyname(socket.gethostname()) if spans else "127.0.0.1"
+        store = dist.TCPStore(addr, 0, size, True, SETUP_TIMEOUT, wait_for_workers=False)  # type: ignore[attr-defined]
+    except (OSError, RuntimeError):
+        return None
+    _SERVER.append(store)
+    return addr, int(store.port)
+
+
+def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
+    if where is None:
+        return None
+    if comm.Get_rank() == 0:
+        return _SERVER[-1]
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(where[0], where[1], comm.Get_size(), False, SETUP_TIMEOUT)  # type: ignore[attr-defined]
+    except (OSError, RuntimeError):
+        return None
+
+
+PROBE_BYTES = 16 << 20
+PROBE_REPS = 3
+PROBE_MARGIN = 0.9
+
+
+def _probe(comm: Any, group: GlooGroup) -> str:
+    """Time MPI's and gloo's bulk allreduce; the slowest rank's medians decide.
+
+    Blocking, once, while the coordinator starts (like its communicator dups)."""
+    from mpi4py import MPI
+
+    data = np.ones(PROBE_BYTES // 4, np.float32)
+    mine = np.array([_median_time(lambda: comm.Allreduce(MPI.IN_PLACE, data)),
+                     _median_time(lambda: group.allreduce(data, ReduceOp.SUM))])
+    worst = np.empty_like(mine)
+    comm.Allreduce(mine, worst, op=MPI.MAX)
+    mpi_ms, gloo_ms = 1e3 * worst
+    winner = "gloo" if gloo_ms < PROBE_MARGIN * mpi_ms else "mpi"
+    return f"{winner} (16 MiB allreduce: gloo {gloo_ms:.1f} ms, MPI {mpi_ms:.1f} ms)"
+
+
+def _median_time(fn: Any) -> float:
+    times = []
+    for _ in range(PROBE_REPS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class GlooGroup:
+    """A channel's bulk allreduce, blocking in the kernel (not spinning)."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.calls = 0  # written by the engine's wait thread only
+
+    @staticmethod
+    def handles(data: Array, op: ReduceOp) -> bool:
+        """Large enough to gain (below ~16 MiB gloo was no faster than MPI here,
+        and each call costs it ~2 ms more), in a dtype gloo sums."""
+        return (data.nbytes >= GLOO_MIN_BYTES and data.dtype.name in GLOO_DTYPES
+                and data.flags.c_contiguous)
+
+    def allreduce(self, data: Array, op: ReduceOp, send: Array | None = None) -> None:
+        """Reduce into `data` (from `send` when given; AVERAGE sums, the caller divides)."""
+        import torch
+        import torch.distributed as dist
+
+        if send is not None:
+            data[...] = send
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _GLOO_OPS(dist)[op]
+        self.pg.allreduce([torch.from_numpy(data.reshape(-1))], opts).wait()
+        self.calls += 1
+
+
+def _GLOO_OPS(dist: Any) -> dict[ReduceOp, Any]:  # noqa: N802 - a table, looked up late
+    r = dist.ReduceOp
+    return {ReduceOp.SUM: r.SUM, ReduceOp.AVERAGE: r.SUM, ReduceOp.MIN: r.MIN,
+            ReduceOp.MAX: r.MAX, ReduceOp.PRODUCT: r.PRODUCT}

@@ -1,0 +1,74 @@
+"""Bulk allreduces through asynclock's private gloo group (asynclock.backends.gloo_bulk).
+
+    gloo_bulk.py EXPECT [--no-torch-on-rank0] [--trio]
+
+Run with ASYNCLOCK_BULK set by the test. EXPECT is the start of the
+backend's `bulk_choice` every rank must report (e.g. `gloo`, `mpi (one
+node)`; `a|b`: either). With ASYNCLOCK_GLOO_MIN_BYTES lowered to 1 MiB, every allreduce of
+1 MiB or more checks its values against numpy for each op and dtype gloo
+takes, out of place too, and `gloo_calls()` proves which path it took.
+`--no-torch-on-rank0` leaves torch unimported on rank 0 only: no rank may
+use gloo then (the choice is agreed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from _common import report, run
+
+import asynclock
+
+N = (1 << 20) // 4 + 3  # just over 1 MiB of float32: a bulk data stage
+OPS = {asynclock.Sum: np.add, asynclock.Min: np.minimum, asynclock.Max: np.maximum,
+       asynclock.Product: np.multiply}
+
+
+def rows(dtype: type, size: int) -> list[np.ndarray]:
+    return [((np.arange(N) + 3 * r) % 7 + 1).astype(dtype) for r in range(size)]
+
+
+async def check_ops(c: asynclock.Coordinator) -> int:
+    checked = 0
+    for dtype in (np.float32, np.float64, np.int32, np.int64):
+        data = rows(dtype, c.size)
+        for op, fold in OPS.items():
+            got = await c.allreduce(data[c.rank].copy(), op)
+            want = data[0].copy()
+            for other in data[1:]:
+                want = fold(want, other)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (dtype, op)
+            checked += 1
+        avg = await c.allreduce(data[c.rank].astype(np.float64), asynclock.Average)
+        assert np.allclose(avg, np.mean(np.stack(data).astype(np.float64), axis=0))
+    return checked + 4
+
+
+def import_torch() -> None:
+    """gloo is used only by programs that imported torch before start."""
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    if not ("--no-torch-on-rank0" in sys.argv and rank == "0"):
+        import torch  # noqa: F401
+
+
+async def main() -> None:
+    expect = sys.argv[1]
+    import_torch()
+    async with asynclock.start() as c:
+        choice = c.backend.bulk_choice
+        assert choice.startswith(tuple(expect.split("|"))), f"{choice!r}, want {expect!r}"
+        checked = await check_ops(c)
+        half = await c.allreduce(np.full(N, 1.5, np.float16))  # not gloo's: MPI's ring
+        assert (half == 1.5 * c.size).all()
+        calls = c.backend.gloo_calls()
+        want = checked if choice.startswith("gloo") else 0
+        assert calls == want, f"{calls} gloo calls, want {want} ({choice})"
+        everyone = await c.allgather_object(choice)
+        assert len(set(everyone)) == 1, everyone
+        report(c.rank, "done", f"{choice} | gloo calls {calls}")
+
+
+if __name__ == "__main__":
+    run(main)
