@@ -105,7 +105,10 @@ class Engine:
         self._wake: anyio.Event | None = None
         self._last_progress = time.perf_counter()
         self._issued = self._completed = self._detached = self._thread_waits = 0
-        self._waiter: _WaitThread | None = None
+        # One wait thread per lane: a lane's bulk stages run blocking, in its
+        # agreed order; lanes are ordered independently of each other, so two
+        # lanes sharing a thread could block each other crosswise across ranks.
+        self._waiters: dict[Lane, _WaitThread] | None = None
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
         self.eager_until = 0.0  # poll tightly until then (a blocked synchronous caller)
@@ -177,17 +180,24 @@ class Engine:
 
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
-        bulk = self._waiter is not None and op.stage_bytes >= self.policy.thread_min_bytes
+        bulk = self._waiters is not None and op.stage_bytes >= self.policy.thread_min_bytes
         transport = op.lane.transport
         req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
         if self.on_event is not None:
             self.on_event("data", op, time.perf_counter())
         if req is None or op.state is State.DONE:
             return
-        if bulk and self._waiter is not None:
+        if bulk and self._waiters is not None:
             op.threaded = True
             self._thread_waits += 1
-            self._waiter.put(op, req)
+            self._waiter_for(op.lane).put(op, req)
+
+    def _waiter_for(self, lane: Lane) -> _WaitThread:
+        assert self._waiters is not None
+        waiter = self._waiters.get(lane)
+        if waiter is None:
+            waiter = self._waiters[lane] = _WaitThread(self._poke)
+        return waiter
 
     # -- awaiting --------------------------------------------------------------
     async def wait(self, op: Operation) -> Any:
@@ -218,7 +228,7 @@ class Engine:
                   ) -> None:
         """Poll until cancelled; the task group of `start()` owns this task."""
         self._call_soon = loop_caller()
-        self._waiter = _WaitThread(self._poke)
+        self._waiters = {}
         if self.on_event is None:  # ASYNCLOCK_TIMELINE alone switches recording on
             from . import timeline
 
@@ -230,8 +240,9 @@ class Engine:
         finally:
             self.running = False
             self._call_soon = None
-            self._waiter.stop()
-            self._waiter = None
+            waiters, self._waiters = self._waiters or {}, None
+            for waiter in waiters.values():
+                waiter.stop()
 
     async def _loop(self) -> None:
         while True:

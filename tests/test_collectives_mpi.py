@@ -157,3 +157,14 @@ def test_process_sets_horovod_api(nranks: int) -> None:
 def test_process_sets_other_mpi(kind: str) -> None:
     job = run_job("process_sets.py", 3, timeout=120, kind=kind)
     assert_all_ok(job, 3)
+
+
+@pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
+@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (3, "trio")])
+def test_bulk_stages_on_two_lanes_in_opposite_orders_do_not_deadlock(
+        kind: str, nranks: int, loop: str) -> None:
+    """Regression: one shared wait thread blocked lanes crosswise (stall, exit 4)."""
+    args = ["--trio"] if loop == "trio" else []
+    job = run_job("cross_lane_bulk.py", nranks, *args, timeout=120, kind=kind,
+                  env={"ASYNCLOCK_STALL_ABORT_S": "20"})
+    assert_all_ok(job, nranks)
