@@ -106,13 +106,17 @@ class GlooStore:
         return (made if choice.startswith("gloo") else None), choice
 
     def group(self, name: str) -> GlooGroup:
-        """Collective (every rank makes channels in the same order)."""
+        """A channel's group, connected on its first allreduce (every rank makes
+        channels in the same order, so the names agree)."""
+        self._made += 1
+        return GlooGroup(self, f"asynclock/{self._made}/{name}")
+
+    def connect_group(self, prefix: str) -> Any:
+        """Blocking rendezvous of every rank under `prefix` (in a lane's wait thread)."""
         import torch.distributed as dist
 
-        self._made += 1
-        prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"asynclock/{self._made}/{name}", self.store)
-        return GlooGroup(dist.ProcessGroupGloo(prefixed, self.rank, self.size, OP_TIMEOUT))
+        prefixed = dist.PrefixStore(prefix, self.store)  # type: ignore[attr-defined]
+        return dist.ProcessGroupGloo(prefixed, self.rank, self.size, OP_TIMEOUT)
 
 
 _SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
@@ -175,11 +179,16 @@ def _median_time(fn: Any) -> float:
 
 
 class GlooGroup:
-    """A channel's bulk allreduce, blocking in the kernel (not spinning)."""
+    """A channel's bulk allreduce, blocking in the kernel (not spinning).
 
-    def __init__(self, pg: Any) -> None:
-        self.pg = pg
-        self.calls = 0  # written by the engine's wait thread only
+    Its connections are made on the first allreduce, in the channel's wait
+    thread (each channel has its own, and its calls come in agreed order), so
+    channels that never move 16 MiB at once never connect."""
+
+    def __init__(self, store: GlooStore, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+        self.pg: Any = None
+        self.calls = 0  # written by the channel's wait thread only
 
     @staticmethod
     def handles(data: Array, op: ReduceOp) -> bool:
@@ -195,6 +204,8 @@ class GlooGroup:
 
         if send is not None:
             data[...] = send
+        if self.pg is None:
+            self.pg = self.store.connect_group(self.prefix)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS(dist)[op]
         self.pg.allreduce([torch.from_numpy(data.reshape(-1))], opts).wait()
