@@ -118,15 +118,18 @@ def placement(job: LiveJob, n: int) -> None:
 
 def measured_bulk_choice(job: LiveJob, n: int) -> None:
     """Across hosts `auto` timed MPI against gloo; every rank chose alike, and
-    the 16 MiB allreduce took the chosen path (gloo_bulk)."""
+    the 4 and 16 MiB allreduces took the chosen path (gloo_bulk)."""
     details = {job.detail(r, "collective") or "" for r in range(n)}
     bulks = {d.split(" | ")[1] if " | " in d else d for d in details}
     assert len(bulks) == 1, f"ranks chose differently: {bulks}\n" + job.explain()
     bulk = bulks.pop()
-    assert re.match(r"bulk (gloo|mpi) \(16 MiB allreduce: gloo [\d.]+ ms, MPI [\d.]+ ms\)$",
-                    bulk), bulk
+    figures = r"4 MiB: gloo [\d.]+ ms, MPI [\d.]+ ms; 16 MiB: gloo [\d.]+ ms, MPI [\d.]+ ms"
+    m = re.match(rf"bulk (gloo from (4|16) MiB|mpi) \(allreduce {figures}\)$", bulk)
+    assert m, bulk
+    # the job's 4 MiB and 16 MiB allreduces: how many went over gloo
+    want = {"4": "2", "16": "1", None: "0"}[m.group(2)]
     calls = {d.rsplit("gloo calls ", 1)[-1] for d in details}
-    assert calls == ({"1"} if bulk.startswith("bulk gloo") else {"0"}), details
+    assert calls == {want}, details
 
 
 def brief_cut(rig: netrig_rig.Rig, job: LiveJob, host: str, workdir: Path,

@@ -3,11 +3,12 @@
 Why: between hosts connected by TCP, MPI's blocking Allreduce spins a core
 for as long as the wire is busy, and its large-message path is slower than
 gloo's pipelined ring. On two netrig hosts at 5 Gbit/s (bench/collectives.py,
-2 ranks): 64 MiB took 130 ms with MPICH and 135-149 ms with Open MPI 4, 114-117
-ms with gloo, whose thread sleeps in the kernel until data arrives. So when a
-channel's ranks span hosts and the program uses torch, asynclock hands the
-channel's large allreduces (16 MiB and more: `GLOO_MIN_BYTES`; run in the
-engine's wait thread) to a private gloo group. Everything else stays on MPI: the
+2 ranks): 64 MiB took 130-134 ms with MPICH and 135-231 ms with Open MPI 4,
+114-126 ms with gloo, whose thread sleeps in the kernel until data arrives;
+4 MiB took 7.1 ms with MPICH, 17.5 ms with Open MPI, 8.5-8.8 ms with gloo. So
+when a channel's ranks span hosts and the program uses torch, asynclock hands
+the channel's allreduces from a measured size on (run in the channel's wait
+thread) to a private gloo group. Everything else stays on MPI: the
 header round that checks and orders every call comes first, so gloo sees
 the calls in the same order on every rank, one at a time per channel.
 
@@ -18,9 +19,10 @@ if any rank cannot (no torch, an unreachable address), no rank uses gloo.
 
 Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
-first channel times a 16 MiB allreduce both ways (3 each, every rank), takes
-the slowest rank's figures, and uses gloo only if it beats MPI by 10%; the
-figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
+first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
+both ways (3 each, every rank), takes the slowest rank's figures, and uses
+gloo from the smallest size at which it beats MPI by 10% (not at all if at
+none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
 `auto` (measured, across hosts only), `measure` (measured, also within a
 node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 `MPIBackend.bulk_choice` says what was chosen and why.
@@ -40,6 +42,8 @@ from ..ops import ReduceOp
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
+# Without a probe (ASYNCLOCK_BULK=gloo): from 16 MiB. With MPICH over TCP gloo gained
+# only from there (4 MiB: +2 ms per call); with Open MPI 4 it halved 4 MiB already.
 GLOO_MIN_BYTES = int(os.environ.get("ASYNCLOCK_GLOO_MIN_BYTES", 16 << 20))
 SETUP_TIMEOUT = timedelta(seconds=60)
 OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
@@ -85,6 +89,7 @@ class GlooStore:
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size = store, rank, size
         self._made = 0
+        self.min_bytes: int | None = GLOO_MIN_BYTES  # the probe may lower it
 
     @classmethod
     def connect(cls, comm: Any) -> tuple[GlooStore | None, str]:
@@ -102,8 +107,8 @@ class GlooStore:
         made = cls(store, comm.Get_rank(), comm.Get_size())
         if mode() == "gloo":
             return made, "gloo (ASYNCLOCK_BULK=gloo)"
-        choice = _probe(comm, made.group("probe"))
-        return (made if choice.startswith("gloo") else None), choice
+        made.min_bytes, choice = _probe(comm, made.group("probe"))
+        return (made if made.min_bytes is not None else None), choice
 
     def group(self, name: str) -> GlooGroup:
         """A channel's group, connected on its first allreduce (every rank makes
@@ -148,25 +153,36 @@ def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
         return None
 
 
-PROBE_BYTES = 16 << 20
+PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
 PROBE_REPS = 3
 PROBE_MARGIN = 0.9
 
 
-def _probe(comm: Any, group: GlooGroup) -> str:
-    """Time MPI's and gloo's bulk allreduce; the slowest rank's medians decide.
+def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
+    """Time MPI's and gloo's allreduce at each probe size; the slowest rank's
+    medians decide the smallest size from which gloo is used (None: never).
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
 
-    data = np.ones(PROBE_BYTES // 4, np.float32)
-    mine = np.array([_median_time(lambda: comm.Allreduce(MPI.IN_PLACE, data)),
-                     _median_time(lambda: group.allreduce(data, ReduceOp.SUM))])
+    mine = np.array([_times(comm, group, n) for n in PROBE_SIZES])
     worst = np.empty_like(mine)
     comm.Allreduce(mine, worst, op=MPI.MAX)
-    mpi_ms, gloo_ms = 1e3 * worst
-    winner = "gloo" if gloo_ms < PROBE_MARGIN * mpi_ms else "mpi"
-    return f"{winner} (16 MiB allreduce: gloo {gloo_ms:.1f} ms, MPI {mpi_ms:.1f} ms)"
+    wins = [n for n, (mpi_s, gloo_s) in zip(PROBE_SIZES, worst, strict=True)
+            if gloo_s < PROBE_MARGIN * mpi_s]
+    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * g:.1f} ms, MPI {1e3 * m:.1f} ms"
+                        for n, (m, g) in zip(PROBE_SIZES, worst, strict=True))
+    if not wins:
+        return None, f"mpi (allreduce {figures})"
+    return wins[0], f"gloo from {wins[0] >> 20} MiB (allreduce {figures})"
+
+
+def _times(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
+    from mpi4py import MPI
+
+    data = np.ones(nbytes // 4, np.float32)
+    return [_median_time(lambda: comm.Allreduce(MPI.IN_PLACE, data)),
+            _median_time(lambda: group.allreduce(data, ReduceOp.SUM))]
 
 
 def _median_time(fn: Any) -> float:
@@ -190,11 +206,9 @@ class GlooGroup:
         self.pg: Any = None
         self.calls = 0  # written by the channel's wait thread only
 
-    @staticmethod
-    def handles(data: Array, op: ReduceOp) -> bool:
-        """Large enough to gain (below ~16 MiB gloo was no faster than MPI here,
-        and each call costs it ~2 ms more), in a dtype gloo sums."""
-        return (data.nbytes >= GLOO_MIN_BYTES and data.dtype.name in GLOO_DTYPES
+    def handles(self, data: Array, op: ReduceOp) -> bool:
+        """Large enough to gain (measured: `_probe`), in a dtype gloo sums."""
+        return (data.nbytes >= (self.store.min_bytes or 0) and data.dtype.name in GLOO_DTYPES
                 and data.flags.c_contiguous)
 
     def allreduce(self, data: Array, op: ReduceOp, send: Array | None = None) -> None:
