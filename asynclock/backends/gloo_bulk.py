@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -67,7 +68,7 @@ def spans_hosts(comm: Any) -> bool:
 def _gloo_usable() -> bool:
     """torch with gloo, already imported by the program (asynclock alone never
     pays for importing torch)."""
-    if "torch" not in __import__("sys").modules:
+    if "torch" not in sys.modules:
         return False
     try:
         import torch.distributed as dist
