@@ -192,6 +192,13 @@ class Engine:
             self._thread_waits += 1
             self._waiter_for(op.lane).put(op, req)
 
+    def retire_lane(self, lane: Lane) -> None:
+        """Stop serving `lane` (nothing in flight on it): its wait thread ends too."""
+        self.lanes.remove(lane)
+        waiter = self._waiters.pop(lane, None) if self._waiters is not None else None
+        if waiter is not None:
+            waiter.stop()
+
     def _waiter_for(self, lane: Lane) -> _WaitThread:
         assert self._waiters is not None
         waiter = self._waiters.get(lane)

@@ -122,7 +122,7 @@ class Coordinator(Collectives, SyncPrimitives):
 
     def remove_lane(self, lane: Lane) -> None:
         """Stop serving a lane with nothing in flight and free its channel."""
-        self._engine.lanes.remove(lane)
+        self._engine.retire_lane(lane)
         self.backend.close_channel(lane.transport)
 
     async def join(self) -> int:

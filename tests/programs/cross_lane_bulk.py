@@ -9,10 +9,12 @@ while rank 1 blocked in lane B's, and neither could finish (the stall
 report ended the job). Each lane now has its own wait thread. Here the
 world lane and a process set's lane (all ranks) allreduce 4 MiB
 concurrently, and alternate rounds delay a different rank on each lane,
-so the arrival order differs across ranks.
+so the arrival order differs across ranks. Removing the set ends its thread.
 """
 
 from __future__ import annotations
+
+import threading
 
 import anyio
 import numpy as np
@@ -36,6 +38,10 @@ async def one_round(c: asynclock.Coordinator, api: object, i: int) -> None:
         tg.start_soon(lane, api.allreduce, c.size - 1, 2.0)  # type: ignore[attr-defined]
 
 
+def wait_threads() -> int:
+    return sum(t.name == "asynclock-wait" for t in threading.enumerate())
+
+
 async def main() -> None:
     async with asynclock.start() as c:
         subset = await c.process_set(range(c.size))
@@ -43,6 +49,9 @@ async def main() -> None:
             await one_round(c, subset.api, i)
         waits = c.statistics().thread_waits
         assert waits >= 2 * ROUNDS, f"only {waits} bulk stages went through wait threads"
+        assert wait_threads() == 2, wait_threads()  # the world's lane and the set's
+        await c.remove_process_set(subset)
+        assert wait_threads() == 1, f"{wait_threads()} wait threads after the set was removed"
         report(c.rank, "done", f"{ROUNDS} rounds, {waits} thread waits")
 
 
