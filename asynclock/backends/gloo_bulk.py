@@ -54,17 +54,6 @@ def mode() -> str:
     return os.environ.get("ASYNCLOCK_BULK", "auto")
 
 
-def spans_hosts(comm: Any) -> bool:
-    """Collective: does `comm` reach ranks on another node?"""
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return bool(node.Get_size() < comm.Get_size())
-    finally:
-        node.Free()
-
-
 def _gloo_usable() -> bool:
     """torch with gloo, already imported by the program (asynclock alone never
     pays for importing torch)."""
@@ -93,10 +82,9 @@ class GlooStore:
         self.min_bytes: int | None = GLOO_MIN_BYTES  # the probe may lower it
 
     @classmethod
-    def connect(cls, comm: Any) -> tuple[GlooStore | None, str]:
-        """Collective over `comm`: a store every rank reached (or None on all),
-        and why (`MPIBackend.bulk_choice`)."""
-        spans = spans_hosts(comm)  # always: a collective every rank takes part in
+    def connect(cls, comm: Any, spans: bool) -> tuple[GlooStore | None, str]:
+        """Collective over `comm` (whose ranks span hosts if `spans`): a store
+        every rank reached (or None on all), and why (`MPIBackend.bulk_choice`)."""
         if mode() == "mpi" or (mode() == "auto" and not spans):  # "measure": probe anyway
             return None, f"mpi ({'ASYNCLOCK_BULK=mpi' if mode() == 'mpi' else 'one node'})"
         if not _agreed(comm, _gloo_usable()):

@@ -156,7 +156,8 @@ class MPIBackend:
     def channel(self, name: str) -> MPIChannel:
         """Collective call: every rank must create channels in the same order."""
         if not self.bulk_choice:
-            self._gloo, self.bulk_choice = GlooStore.connect(self.world)
+            spans = self.local_size < self.size
+            self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
         ch = MPIChannel(self.world, name, self._gloo)
         self._channels.append(ch)
         return ch
