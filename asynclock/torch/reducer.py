@@ -254,6 +254,8 @@ class Reducer:
                 f"'grad.g{run.generation}.b{k}')")
         if missing:
             return text + f"; this rank never produced gradients for: {', '.join(missing[:5])}"
+        if run.transport is not None and run.transport.describe():
+            return f"{text}; {run.transport.describe()}"
         return text + (f"; launched {run.next}/{run.size} buckets here, {stats.in_flight} in "
                        "flight: the other ranks have not joined this allreduce")
 

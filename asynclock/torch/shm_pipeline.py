@@ -1,0 +1,274 @@
+"""The shared-memory gradient pipeline: one thread per reducer, no MPI per bucket.
+
+Every rank publishes its progress as counters in its control block of the
+shared window (`SharedArena`), which only it writes and every rank reads:
+
+* `packed`: buckets (in launch order) whose gradients sit in its buffer;
+* `reduced`: buckets whose chunk it owns it has summed over all ranks;
+* `gathered`: rounds whose every chunk it has copied back into its buffer;
+* `aborted`: set when its pipeline failed, so peers fail too instead of waiting.
+
+Counters only grow (round m's bucket j counts as m * buckets + j + 1), so a
+rank needs nothing but the minimum over ranks to know what it may do next:
+reduce its chunk of every bucket all ranks have packed, gather every bucket
+all ranks have reduced. The results do not depend on how ranks batch these
+steps (each chunk is summed by its owner in rank order), so nothing has to
+be agreed per bucket: where the staged design issued an MPI allreduce and a
+poll loop per stage on the event loop, a rank here wakes only when a peer
+rings its bell (a futex in the window) or its own backward packs a bucket.
+
+Per round the loop still issues one checked MPI stage (see `ShmTransport`):
+it compares plan checksums, and a joined rank refuses it on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import BackendError
+from ..threadsafe import name_os_thread
+from . import futex
+from .buckets import Bucket, Plan
+
+PACKED, REDUCED, GATHERED, ABORTED = range(4)
+_CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStatistics:
+    """Exact counts, for tests: rounds finished here, futex sleeps, whether aborted."""
+
+    rounds: int
+    sleeps: int
+    aborted: bool
+
+
+@dataclass(eq=False)
+class RoundJob:
+    """One round as the pipeline sees it; `launched` is written by the loop."""
+
+    index: int  # this transport's shared-memory round number, the same on every rank
+    order: tuple[int, ...]
+    launched: int
+    on_gathered: Callable[[range], None]  # run on the loop: positions now complete
+    on_failed: Callable[[BaseException], None]  # run on the loop
+    release: Callable[[BaseException | None], None]  # thread-safe: buffers free again
+    published: int = 0
+    reduced: int = 0
+    gathered: int = 0
+
+
+class ShmPipeline:
+    """Runs rounds one after another in its own thread, driven by counters."""
+
+    def __init__(self, arena: Any, plan: Plan, peers: dict[str, list[torch.Tensor]],
+                 post: float, call_soon: Callable[[Callable[[], object]], None],
+                 failure: Callable[[], BaseException | None]) -> None:
+        self.arena, self.plan, self.peers, self.post = arena, plan, peers, post
+        self.me, self.n = arena.rank, arena.size
+        self._call_soon, self._failure = call_soon, failure
+        self._jobs: deque[RoundJob] = deque()
+        self._tasks: deque[tuple[Callable[[], None], Callable[[BaseException | None], None]]] \
+            = deque()  # side jobs (scaling buckets that went over MPI), before rounds
+        # writes to bells, tagged with the writer so no two look alike; one count per
+        # writing thread (the loop rings my own bell, this thread rings the peers')
+        self._rings = {True: 0, False: 0}
+        self._stopped = False
+        self.current: RoundJob | None = None
+        self._finished = self._sleeps = 0
+        self._thread = threading.Thread(target=self._run, name="asynclock-shm", daemon=True)
+        self._thread.start()
+
+    # -- loop side ---------------------------------------------------------------
+    def submit(self, job: RoundJob) -> None:
+        self._jobs.append(job)
+        self.ring(self.me, local=True)
+
+    def run_soon(self, task: Callable[[], None],
+                 then: Callable[[BaseException | None], None]) -> None:
+        """Run `task` in this thread; `then(error)` runs on the loop afterwards."""
+        self._tasks.append((task, then))
+        self.ring(self.me, local=True)
+
+    def packed(self, job: RoundJob, launched: int) -> None:
+        job.launched = launched
+        self.ring(self.me, local=True)
+
+    def stop(self) -> None:
+        """Finish the round in hand (if peers let it), then end the thread."""
+        self._stopped = True
+        self.ring(self.me, local=True)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def ring(self, q: int, local: bool = False) -> None:
+        """Change q's bell to a value nobody wrote before, then wake it."""
+        self._rings[local] = count = self._rings[local] + 1
+        writer = (self.n if local else self.me) + 1
+        self.arena.bells[q][0] = ((writer & 0x7F) << 24) | (count & 0xFFFFFF)
+        futex.wake(self.arena.bell_addresses[q])
+
+    def statistics(self) -> PipelineStatistics:
+        return PipelineStatistics(self._finished, self._sleeps,
+                                  bool(self.arena.counters[self.me][ABORTED]))
+
+    def describe(self) -> str:
+        """Stall text: which ranks are behind, and in which step of the round."""
+        job = self.current
+        if job is None:
+            return "shared memory: no round in progress here"
+        base, b = job.index * len(job.order), len(job.order)
+        counts = [(q, int(c[PACKED]) - base, int(c[REDUCED]) - base)
+                  for q, c in enumerate(self.arena.counters)]
+        behind = [f"rank {q} packed {max(0, p)}/{b}, reduced {max(0, r)}/{b}"
+                  for q, p, r in counts if min(p, r) < b]
+        return "shared memory round: " + ("; ".join(behind) or "every rank done")
+
+    # -- the thread --------------------------------------------------------------
+    def _run(self) -> None:
+        name_os_thread("asynclock-shm")
+        while True:
+            bell = int(self.arena.bells[self.me][0])
+            while self._tasks:
+                self._task(*self._tasks.popleft())
+            if self.current is None and self._jobs:
+                self.current = self._jobs.popleft()
+            if self.current is None and self._stopped:
+                return
+            if self.current is None or not self._advance(self.current):
+                self._sleeps += 1
+                futex.wait(self.arena.bell_addresses[self.me], bell, _CHECK_S)
+
+    def _task(self, task: Callable[[], None],
+              then: Callable[[BaseException | None], None]) -> None:
+        error: BaseException | None = None
+        try:
+            task()
+        except Exception as exc:  # surfaced as the bucket's error on the loop
+            error = exc
+        self._call_soon(lambda: then(error))
+
+    def _advance(self, job: RoundJob) -> bool:
+        """Do whatever the counters allow; False when only a peer can move things."""
+        try:
+            problem = self._problem()
+            if problem is not None:
+                raise problem
+            return self._progress(job)
+        except Exception as exc:  # a torch error here, or a peer/job failure
+            self._abort(job, exc)
+            return True
+
+    def _progress(self, job: RoundJob) -> bool:
+        base, b = job.index * len(job.order), len(job.order)
+        launched = job.launched  # read once: the loop raises it concurrently
+        if launched > job.published:
+            self._publish(PACKED, base + launched)
+            job.published = launched
+        packed = self._least(PACKED, base, b)
+        if packed > job.reduced:
+            self._reduce_positions(job, range(job.reduced, packed))
+            self._publish(REDUCED, base + packed)
+            job.reduced = packed
+            return True
+        reduced = self._least(REDUCED, base, b)
+        if reduced > job.gathered:
+            return self._gather_positions(job, range(job.gathered, reduced))
+        if job.gathered == b and self._least(GATHERED, job.index, 1) == 1:
+            self._finish(job)
+            return True
+        return False
+
+    def _least(self, counter: int, base: int, top: int) -> int:
+        """Minimum over ranks of `counter`, as a position within this round."""
+        self.arena.sync()
+        least = min(int(c[counter]) for c in self.arena.counters) - base
+        self.arena.sync()  # ... and the buffers they vouch for are read after them
+        return max(0, min(least, top))
+
+    def _publish(self, counter: int, value: int) -> None:
+        self.arena.sync()  # my buffer writes are visible before the counter says so
+        self.arena.counters[self.me][counter] = value
+        self.arena.sync()
+        for q in range(self.n):
+            if q != self.me:
+                self.ring(q)
+
+    def _reduce_positions(self, job: RoundJob, positions: range) -> None:
+        for p in positions:
+            self._reduce(self.plan.buckets[job.order[p]])
+
+    def _gather_positions(self, job: RoundJob, positions: range) -> bool:
+        for p in positions:
+            self._gather(self.plan.buckets[job.order[p]])
+        job.gathered = positions.stop
+        self._call_soon(lambda: job.on_gathered(positions))
+        if job.gathered == len(job.order):
+            self._publish(GATHERED, job.index + 1)
+        return True
+
+    def _finish(self, job: RoundJob) -> None:
+        """Every rank gathered this round: nobody reads my buffers for it any more."""
+        self.current = None
+        self._finished += 1
+        job.release(None)
+
+    def _problem(self) -> BaseException | None:
+        if self._stopped:
+            return BackendError("the gradient reducer was closed during a shared-memory round")
+        failure = self._failure()
+        if failure is not None:
+            return failure
+        for q, c in enumerate(self.arena.counters):
+            if q != self.me and int(c[ABORTED]):
+                return BackendError(f"rank {q} (node rank) failed in the shared-memory "
+                                    "gradient reduction; this round cannot complete")
+        return None
+
+    def _abort(self, job: RoundJob, exc: BaseException) -> None:
+        """Fail the round here and tell peers (they fail instead of waiting for us)."""
+        self.current = None
+        self._jobs.clear()
+        if not int(self.arena.counters[self.me][ABORTED]):
+            self._publish(ABORTED, 1)
+        self._call_soon(lambda: job.on_failed(exc))
+
+    # -- arithmetic --------------------------------------------------------------
+    def _reduce(self, b: Bucket) -> None:
+        """Sum my chunk over ranks, in rank order whoever owns the chunk, so the
+        bits do not depend on the layout (IEEE addition commutes, it does not
+        associate)."""
+        lo, hi = chunk(b, self.me, self.n)
+        parts = [buf[lo:hi] for buf in self.peers[b.group]]
+        acc = parts[self.me]
+        if self.me < 2:
+            acc.add_(parts[1 - self.me])  # x0 + x1, the same bits as x1 + x0
+        else:
+            head = parts[0] + parts[1]
+            for q in range(2, self.me):
+                head.add_(parts[q])
+            torch.add(head, acc, out=acc)
+        for q in range(max(2, self.me + 1), self.n):
+            acc.add_(parts[q])
+        if self.post != 1.0:
+            acc.mul_(self.post)
+
+    def _gather(self, b: Bucket) -> None:
+        bufs = self.peers[b.group]
+        for q in range(self.n):
+            if q != self.me:
+                lo, hi = chunk(b, q, self.n)
+                bufs[self.me][lo:hi].copy_(bufs[q][lo:hi])
+
+
+def chunk(bucket: Bucket, r: int, n: int) -> tuple[int, int]:
+    """Rank r's share [lo, hi) of the bucket, in group-buffer elements."""
+    base, extra = divmod(bucket.numel, n)
+    lo = bucket.offset + r * base + min(r, extra)
+    return lo, lo + base + (1 if r < extra else 0)

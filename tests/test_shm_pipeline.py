@@ -1,0 +1,178 @@
+"""The shared-memory gradient pipeline, two ranks in one process.
+
+`ShmPipeline` only needs the arena's counters, bells and buffers, so two
+pipelines over the same numpy/torch memory behave as two ranks on a node
+(the futex works within a process too). The MPI-level behaviour is covered
+by the torch tests that run real jobs (`test_torch_mpi.py`, shared memory is
+their default on one node).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asynclock.errors import BackendError
+from asynclock.torch.buckets import Caps, ParamSpec, build_plan
+from asynclock.torch.shm_pipeline import PACKED, RoundJob, ShmPipeline
+
+TIMEOUT = 10.0
+
+
+class FakeArena:
+    """What a pipeline reads of `SharedArena`, over memory both 'ranks' share."""
+
+    def __init__(self, rank: int, counters: list[Any], bells: list[Any]) -> None:
+        self.rank, self.size = rank, len(counters)
+        self.counters, self.bells = counters, bells
+        self.bell_addresses = [b.ctypes.data for b in bells]
+
+    def sync(self) -> None:
+        return None
+
+
+class Node:
+    """Two pipelines with shared buffers; loop callbacks run when `drain` says."""
+
+    def __init__(self, numels: tuple[int, ...] = (6, 5, 7), post: float = 0.5,
+                 failure: Callable[[int], BaseException | None] = lambda r: None) -> None:
+        params = [ParamSpec(k, "float32", 4) for k in numels]
+        self.plan = build_plan(list(range(len(numels))), params,
+                               Caps(bucket_bytes=28, first_bucket_bytes=28))
+        self.b = len(self.plan.buckets)
+        n = sum(numels)
+        counters = [np.zeros(4, np.int64) for _ in range(2)]
+        bells = [np.zeros(1, np.uint32) for _ in range(2)]
+        self.buffers = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)]
+        self.calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.released = [threading.Event() for _ in range(2)]
+        self.pipes = [ShmPipeline(FakeArena(r, counters, bells), self.plan,
+                                  {"float32": self.buffers}, post, self.calls.put,
+                                  lambda r=r: failure(r)) for r in range(2)]
+        self.gathered: list[list[int]] = [[], []]
+        self.failed: list[BaseException | None] = [None, None]
+
+    def job(self, r: int, index: int, launched: int, cls: type[RoundJob] = RoundJob) -> RoundJob:
+        self.released[r].clear()
+        return cls(index, tuple(self.plan.launch), launched,
+                   lambda ps, r=r: self.gathered[r].extend(ps),
+                   lambda e, r=r: self.failed.__setitem__(r, e),
+                   lambda e, r=r: self.released[r].set())
+
+    def drain_until(self, done: Callable[[], bool]) -> None:
+        """Run loop callbacks until `done()` (or fail after TIMEOUT)."""
+        import time
+
+        deadline = time.monotonic() + TIMEOUT
+        while not done():
+            try:
+                self.calls.get(timeout=max(0.0, deadline - time.monotonic()))()
+            except queue.Empty:
+                pytest.fail(f"pipelines stuck: {[p.describe() for p in self.pipes]}")
+
+    def close(self) -> None:
+        for p in self.pipes:
+            p.stop()
+
+
+@pytest.fixture
+def node() -> Any:
+    n = Node()
+    yield n
+    n.close()
+
+
+def test_a_round_sums_every_bucket_scaled_on_both_ranks(node: Node) -> None:
+    expected = (node.buffers[0] + node.buffers[1]) * 0.5
+    assert node.b == 3
+    jobs = [node.job(0, 0, 3), node.job(1, 0, 1)]  # rank 1 has packed one bucket so far
+    for r in range(2):
+        node.pipes[r].submit(jobs[r])
+    node.drain_until(lambda: len(node.gathered[0]) == 1)  # only what both have packed
+    assert node.gathered == [[0], [0]] or node.gathered[1] == []
+    node.pipes[1].packed(jobs[1], 3)
+    node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+    assert all(e.wait(TIMEOUT) for e in node.released)
+    for r in range(2):
+        assert torch.equal(node.buffers[r], expected), r
+        assert node.pipes[r].statistics().rounds == 1
+    assert node.failed == [None, None]
+
+
+def test_counters_carry_over_into_the_next_round(node: Node) -> None:
+    for index in range(3):
+        node.gathered = [[], []]
+        jobs = [node.job(r, index, 3) for r in range(2)]
+        for r in range(2):
+            node.pipes[r].submit(jobs[r])
+        node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+        assert all(e.wait(TIMEOUT) for e in node.released)
+    assert [int(c[PACKED]) for c in node.pipes[0].arena.counters] == [9, 9]
+    assert [p.statistics().rounds for p in node.pipes] == [3, 3]
+
+
+class _RacingJob(RoundJob):
+    """`launched` grows between two reads, as when the loop packs concurrently."""
+
+    @property  # type: ignore[override]
+    def launched(self) -> int:
+        self._value = min(self._value + 1, 3)
+        return self._value
+
+    @launched.setter
+    def launched(self, value: int) -> None:
+        self._value = value - 1
+
+
+def test_published_count_is_the_count_read_regression() -> None:
+    """Regression: the pipeline read `launched` once to decide and again to publish;
+    when the loop packed in between, it published less than it recorded and the
+    peer waited for buckets forever (a stall in the training benchmark)."""
+    node = Node()
+    try:
+        jobs = [node.job(0, 0, 1, _RacingJob), node.job(1, 0, 3)]
+        for r in range(2):
+            node.pipes[r].submit(jobs[r])
+        node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+    finally:
+        node.close()
+
+
+def test_a_failing_rank_fails_the_round_on_its_peer_too() -> None:
+    boom = RuntimeError("job over")
+    node = Node(failure=lambda r: boom if r == 1 else None)
+    try:
+        for r in range(2):
+            node.pipes[r].submit(node.job(r, 0, 3))
+        node.drain_until(lambda: all(e is not None for e in node.failed))
+        assert node.failed[1] is boom
+        assert isinstance(node.failed[0], BackendError) and "rank 1" in str(node.failed[0])
+        assert [p.statistics().aborted for p in node.pipes] == [True, True]
+    finally:
+        node.close()
+
+
+def test_stopping_mid_round_fails_the_round_instead_of_waiting() -> None:
+    node = Node()
+    jobs = [node.job(0, 0, 3), node.job(1, 0, 0)]  # rank 1 never packs
+    node.pipes[0].submit(jobs[0])
+    node.pipes[0].stop()
+    node.drain_until(lambda: node.failed[0] is not None)
+    assert "closed" in str(node.failed[0])
+    node.pipes[1].stop()
+
+
+def test_a_waiting_pipeline_sleeps_instead_of_spinning(node: Node) -> None:
+    node.pipes[0].submit(node.job(0, 0, 3))  # rank 1 has no round yet
+    import time
+
+    time.sleep(0.35)
+    assert node.pipes[0].statistics().sleeps <= 8  # ~3 timed re-checks, a few wakes
+    node.pipes[1].submit(node.job(1, 0, 3))
+    node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
