@@ -154,13 +154,18 @@ def test_storage_direct_views_and_staged_casts() -> None:
 class _FailedRun:
     """The parts of a StepRun the shared-memory transport reads."""
 
-    def __init__(self, plan, released: list) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, plan, released: list, finished: list) -> None:  # type: ignore[no-untyped-def]
         import threading
 
         self.number, self.generation, self.plan = 1, 0, plan
         self.size = len(plan.buckets)
         self.done = [threading.Event() for _ in plan.buckets]
         self.release = released.append
+        self.finished = finished
+
+    def finish(self, k: int, error: BaseException | None) -> None:
+        self.finished.append((k, error))
+        self.done[k].set()
 
 
 def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
@@ -178,13 +183,14 @@ def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
     transport = ShmTransport(engine, lane, None, plan, {}, 1.0, lambda fn: fn())
     try:
         released: list = []
-        run, finished = _FailedRun(plan, released), []
-        rnd = transport._rounds[run.number] = _Round(run, lambda k, e: finished.append((k, e)))
+        finished: list = []
+        run = _FailedRun(plan, released, finished)
+        rnd = transport._rounds[run.number] = _Round(run)
         err = MismatchError("mismatched buckets")
         transport._fail(rnd, err)
         assert sorted(finished) == [(0, err), (1, err)] and released == [err]
         seq = lane.seq
-        transport.launch(run, plan.launch[1], rnd.done)  # packed late, after the failure
+        transport.packed(run, plan.launch[1])  # packed late, after the failure
         assert lane.seq == seq and not engine.inflight, "a lone stage op was issued"
     finally:
         transport.close()

@@ -145,6 +145,7 @@ class Reducer:
         self.replan_due = options.replan
         self.broken: BaseException | None = None  # a failed bucket desynchronizes the channel
         self.transport: ShmTransport | None = None
+        self._retired_counts = (0, 0)  # buckets of transports replaced by a re-plan
         self._previous: StepRun | None = None  # the last closed round
         self.storage.writable = self._writable
         self._zero = zero
@@ -163,7 +164,20 @@ class Reducer:
                        len(self.registry), self.transport)
 
     def _notify(self, run: StepRun, k: int) -> None:
-        self.link.call_soon(partial(self.scheduler.ready, run, k))
+        """Bucket k is packed (hook thread): shared memory takes it directly, an
+        allreduce goes through the scheduler on the loop."""
+        if run.transport is not None:
+            run.transport.packed(run, k)
+        else:
+            self.link.call_soon(partial(self.scheduler.ready, run, k))
+
+    def bucket_counts(self) -> tuple[int, int]:
+        """Buckets launched and completed so far, whichever way they went."""
+        s, t = self.scheduler.statistics(), self.transport
+        launched, completed = self._retired_counts
+        if t is not None:
+            launched, completed = launched + t.launched, completed + t.completed
+        return s.launched + launched, s.completed + completed
 
     def _zero_grads(self, params: Params, set_to_none: bool) -> None:
         if not set_to_none:
@@ -333,6 +347,9 @@ class Reducer:
         storage.writable = self._writable
         if self.transport is not None:
             self.transport.close()
+            launched, completed = self._retired_counts
+            self._retired_counts = (launched + self.transport.launched,
+                                    completed + self.transport.completed)
         self.transport = None if arena is None else ShmTransport(
             self.coord.engine, self.grad_lane, arena, plan, storage.peers, self.post,
             self.link.call_soon)

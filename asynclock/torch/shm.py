@@ -22,6 +22,7 @@ buckets go as plain MPI allreduces, which joined ranks stand in for.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Callable
 from functools import partial
@@ -97,17 +98,20 @@ class SharedArena:
 
 
 class _Round:
-    """One round's state on the loop."""
+    """One round's state, shared by the hook thread and the loop (under `lock`)."""
 
-    def __init__(self, run: StepRun, done: Callable[[int, BaseException | None], None]) -> None:
-        self.run, self.done = run, done
+    def __init__(self, run: StepRun) -> None:
+        self.run = run
         self.order = run.plan.launch
-        self.launched = 0  # buckets packed on this rank, counted in launch order
-        self.checking = False  # the round's checked MPI stage is in flight
+        self.lock = threading.Lock()
+        self.ready = [False] * len(self.order)  # by bucket index
+        self.launched = 0  # launch-order prefix packed on this rank
+        self.started = False  # the round's checked MPI stage was asked for
         self.job: RoundJob | None = None  # handed to the pipeline once checked
         self.failed: BaseException | None = None
         self.over_mpi: int | None = None  # a rank joined: buckets issued as plain allreduces
         self.landed = 0  # ... and completed
+        self.finished = 0  # buckets done here (for statistics)
 
 
 class _Agree(AllreduceOp):
@@ -128,56 +132,84 @@ class _Agree(AllreduceOp):
 
 
 class ShmTransport:
-    """Loop side: one checked MPI stage per round, then the pipeline thread.
+    """One checked MPI stage per round; every bucket goes straight to the pipeline.
 
-    The stage is an allreduce whose name carries a checksum of the plan (so
-    ranks on different plans raise the same MismatchError) and which a
+    Hooks report packed buckets from the backward thread (`packed`), which
+    hands the launch-order prefix to `ShmPipeline` with no event-loop hop;
+    the pipeline marks buckets done itself. The loop only issues each
+    round's stage: an allreduce whose name carries a checksum of the plan
+    (ranks on different plans raise the same MismatchError) and which a
     joined rank refuses on every rank (that round's buckets then go as plain
-    MPI allreduces that joined ranks stand in for). Everything after it, on
-    every bucket, runs in `ShmPipeline` from counters in the shared window:
-    the loop only hears of buckets as they complete, in batches.
+    MPI allreduces that joined ranks stand in for).
     """
-
-    windowed = False  # the pipeline keeps pace with backward, not with credits
 
     def __init__(self, engine: Engine, lane: Lane, arena: SharedArena | None, plan: Plan,
                  peers: dict[str, list[torch.Tensor]], post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:
         self.engine, self.lane, self.arena, self.plan = engine, lane, arena, plan
-        self.peers, self.post = peers, post
+        self.peers, self.post, self._call_soon = peers, post, call_soon
         self.pipeline = None if arena is None else ShmPipeline(
             arena, plan, peers, post, call_soon, lambda: engine.failure)
         self._rounds: dict[int, _Round] = {}
-        self._index = 0  # shared-memory rounds handed to the pipeline so far
+        self._lock = threading.Lock()  # guards _rounds and the counts
+        self._index = 0  # shared-memory rounds handed to the pipeline so far (loop only)
+        self.launched = self.completed = 0
         self.crc = zlib.crc32(repr([(b.group, b.numel) for b in plan.buckets]
                                    + list(plan.launch)).encode())
 
-    def launch(self, run: StepRun, k: int, done: Callable[[int, BaseException | None], None]
-               ) -> None:
-        """Bucket k (next in launch order) is packed on this rank."""
-        rnd = self._rounds.get(run.number)
-        if rnd is None:
-            rnd = self._rounds[run.number] = _Round(run, done)
-        rnd.launched += 1
-        if rnd.job is not None and self.pipeline is not None:
-            self.pipeline.packed(rnd.job, rnd.launched)
-        else:
-            self._advance(rnd)
+    # -- hook thread ---------------------------------------------------------------
+    def packed(self, run: StepRun, k: int) -> None:
+        """Bucket k is packed on this rank (any thread): pass the new prefix on."""
+        rnd = self._round(run)
+        with rnd.lock:
+            if rnd.failed:
+                return
+            rnd.ready[k] = True
+            before = rnd.launched
+            while rnd.launched < len(rnd.order) and rnd.ready[rnd.order[rnd.launched]]:
+                rnd.launched += 1
+            job, launched = rnd.job, rnd.launched
+            start = not rnd.started and launched > 0
+            rnd.started = rnd.started or start
+            loop_needed = start or (rnd.over_mpi is not None and launched > before)
+        self._count(launched - before, 0)
+        if job is not None and self.pipeline is not None:
+            self.pipeline.packed(job, launched)
+        elif loop_needed:
+            self._call_soon(partial(self._advance, rnd))
+
+    def _round(self, run: StepRun) -> _Round:
+        with self._lock:
+            rnd = self._rounds.get(run.number)
+            if rnd is None:
+                rnd = self._rounds[run.number] = _Round(run)
+            return rnd
+
+    def _count(self, launched: int, completed: int) -> None:
+        with self._lock:
+            self.launched += launched
+            self.completed += completed
 
     def describe(self) -> str:
         """Stall text from the pipeline's view of every rank's counters."""
         return self.pipeline.describe() if self.pipeline is not None else ""
 
+    # -- loop --------------------------------------------------------------------
     def _advance(self, rnd: _Round) -> None:
-        if rnd.checking or rnd.failed or rnd.job is not None:
+        with rnd.lock:
+            if rnd.failed or rnd.job is not None:
+                return None
+            if rnd.over_mpi is not None:
+                ops = self._over_mpi_ops(rnd)
+            else:
+                ops, value = [], np.array([rnd.launched], np.int64)
+        if rnd.over_mpi is not None:  # submitted with the lock let go: one may end inline
+            for op in ops:
+                self.engine.submit(op)
             return None
-        if rnd.over_mpi is not None:
-            return self._issue_over_mpi(rnd)
-        rnd.checking = True
         call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.MIN),
                     dtype=DTYPE_CODES["int64"], shape=(1,), nbytes=8,
                     name=f"{self._tag(rnd)}.s1", root=EVERY_RANK)
-        value = np.array([rnd.launched], np.int64)
         self.engine.submit(_Agree(self.lane, call, value, partial(self._checked, rnd)))
         return None
 
@@ -186,43 +218,51 @@ class ShmTransport:
 
     def _checked(self, rnd: _Round, _least: int, err: BaseException | None) -> None:
         """The round's stage passed on every rank: the pipeline takes it from here."""
-        rnd.checking = False
         if isinstance(err, JoinedError):  # no data moved yet this round
-            rnd.over_mpi = 0
+            with rnd.lock:
+                rnd.over_mpi = 0
             return self._advance(rnd)
         if err is not None:
             return self._fail(rnd, err)
         assert self.pipeline is not None
-        rnd.job = RoundJob(self._index, tuple(rnd.order), rnd.launched,
-                           partial(self._gathered, rnd), partial(self._fail, rnd),
-                           rnd.run.release)
+        with rnd.lock:  # from here on the hook thread feeds the job directly
+            rnd.job = job = RoundJob(self._index, tuple(rnd.order), rnd.launched,
+                                     partial(self._gathered, rnd), partial(self._fail, rnd),
+                                     rnd.run.release)
         self._index += 1
-        self.pipeline.submit(rnd.job)
+        self.pipeline.submit(job)
         return None
 
+    # -- pipeline thread -----------------------------------------------------------
     def _gathered(self, rnd: _Round, positions: range) -> None:
-        if rnd.failed:
-            return
-        for p in positions:
-            rnd.done(rnd.order[p], None)
+        with rnd.lock:
+            if rnd.failed:
+                return
+            for p in positions:
+                rnd.run.finish(rnd.order[p], None)
+        self._count(0, len(positions))
         if positions.stop == len(rnd.order):
-            del self._rounds[rnd.run.number]  # the pipeline releases the buffers
+            with self._lock:
+                del self._rounds[rnd.run.number]  # the pipeline releases the buffers
 
-    def _issue_over_mpi(self, rnd: _Round) -> None:
+    # -- joined ranks (loop) ---------------------------------------------------------
+    def _over_mpi_ops(self, rnd: _Round) -> list[BucketOp]:
         """A rank has joined (`asynclock.join`): shared memory needs every rank's own
         data, so this round's buckets go, in launch order, as plain allreduces that
-        joined ranks stand in for. Every active rank saw the same refusal of stage 1."""
+        joined ranks stand in for. Every active rank saw the same refusal of stage 1.
+        Called with `rnd.lock` held; the caller submits them."""
         assert rnd.over_mpi is not None
+        ops = []
+        me = self.arena.rank if self.arena is not None else 0
         while rnd.over_mpi < rnd.launched:
             k = rnd.order[rnd.over_mpi]
             b = self.plan.buckets[k]
-            me = self.arena.rank if self.arena is not None else 0
             view = self.peers[b.group][me][b.offset: b.offset + b.numel]
             done = partial(self._reduced_over_mpi, rnd, k, view)
-            op = bucket_op(self.lane, as_buffer(view, writable=True),
-                           f"{self._tag(rnd)}.m{rnd.over_mpi}", done)
+            ops.append(bucket_op(self.lane, as_buffer(view, writable=True),
+                                 f"{self._tag(rnd)}.m{rnd.over_mpi}", done))
             rnd.over_mpi += 1
-            self.engine.submit(op)
+        return ops
 
     def _reduced_over_mpi(self, rnd: _Round, k: int, view: torch.Tensor, op: BucketOp) -> None:
         if rnd.failed:
@@ -244,26 +284,27 @@ class ShmTransport:
             return
         if err is not None:
             return self._fail(rnd, err)
-        rnd.done(k, None)
+        rnd.run.finish(k, None)
+        self._count(0, 1)
         rnd.landed += 1
         if rnd.landed == rnd.run.size:  # MPI read our buffers inside each op: no barrier
-            del self._rounds[rnd.run.number]
+            with self._lock:
+                del self._rounds[rnd.run.number]
             rnd.run.release(None)
         return None
 
     def _fail(self, rnd: _Round, err: BaseException) -> None:
-        """Fail every bucket of the round not yet done, and release its buffers.
-
-        The round stays registered, failed: a bucket packed later (ranks pack
-        at their own pace) must not start a fresh round whose stage op only
-        this rank would issue (seen as a desync at shutdown).
-        """
-        if rnd.failed:
-            return
-        rnd.failed = err
-        for k in rnd.order:
-            if not rnd.run.done[k].is_set():
-                rnd.done(k, err)
+        """Fail every bucket of the round not yet done, and release its buffers (any
+        thread). The round stays registered, failed: a bucket packed later (ranks
+        pack at their own pace) must not start a fresh round whose stage op only
+        this rank would issue (seen as a desync at shutdown)."""
+        with rnd.lock:
+            if rnd.failed:
+                return
+            rnd.failed = err
+            for k in rnd.order:
+                if not rnd.run.done[k].is_set():
+                    rnd.run.finish(k, err)
         rnd.run.release(err)
 
     def close(self) -> None:

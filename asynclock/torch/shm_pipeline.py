@@ -56,8 +56,8 @@ class RoundJob:
     index: int  # this transport's shared-memory round number, the same on every rank
     order: tuple[int, ...]
     launched: int
-    on_gathered: Callable[[range], None]  # run on the loop: positions now complete
-    on_failed: Callable[[BaseException], None]  # run on the loop
+    on_gathered: Callable[[range], None]  # positions now complete (called in this thread)
+    on_failed: Callable[[BaseException], None]  # called in this thread
     release: Callable[[BaseException | None], None]  # thread-safe: buffers free again
     published: int = 0
     reduced: int = 0
@@ -208,7 +208,7 @@ class ShmPipeline:
         for p in positions:
             self._gather(self.plan.buckets[job.order[p]])
         job.gathered = positions.stop
-        self._call_soon(lambda: job.on_gathered(positions))
+        job.on_gathered(positions)
         if job.gathered == len(job.order):
             self._publish(GATHERED, job.index + 1)
         return True
@@ -237,7 +237,7 @@ class ShmPipeline:
         self._jobs.clear()
         if not int(self.arena.counters[self.me][ABORTED]):
             self._publish(ABORTED, 1)
-        self._call_soon(lambda: job.on_failed(exc))
+        job.on_failed(exc)
 
     # -- arithmetic --------------------------------------------------------------
     def _reduce(self, b: Bucket) -> None:

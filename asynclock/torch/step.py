@@ -207,8 +207,9 @@ class TrainStep:
     def statistics(self) -> TrainStepStatistics:
         r = self.reducer
         s = r.scheduler.statistics()
+        launched, completed = r.bucket_counts()
         return TrainStepStatistics(self._steps, r.rounds, len(r.plan.buckets), r.generation,
-                                   s.launched, s.completed, s.in_flight_bytes,
+                                   launched, completed, s.in_flight_bytes,
                                    r.updates.pending is not None, r.updates.applied)
 
 
