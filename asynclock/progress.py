@@ -116,6 +116,9 @@ class Engine:
         # Observer hook (asynclock.timeline.attach): ("issue" | "data" | "done", op,
         # time.perf_counter()). Each call site tests for None, so off costs nothing.
         self.on_event: Callable[[str, Operation, float], None] | None = None
+        # Waits outside the engine (the shared-memory gradient pipeline) report here,
+        # so the stall inspector sees them like in-flight ops (`watch`).
+        self.watched: list[Callable[[], InflightOp | None]] = []
 
     # -- submission ------------------------------------------------------------
     def submit(self, op: Operation) -> Operation:
@@ -331,7 +334,10 @@ class Engine:
         views = tuple(InflightOp(describe_op(op), now - op.issued_at, index.get(id(op.lane), -1),
                                  op.call.seq, id(op), op.call.kind is Kind.JOIN)
                       for op in ops[:limit])
-        return EngineSnapshot(views, len(ops), tuple(lane.seq for lane in lanes),
+        outside = [v for v in (watch() for watch in list(self.watched)) if v is not None]
+        if outside:
+            views = tuple(sorted(views + tuple(outside), key=lambda v: -v.age_s))[:limit]
+        return EngineSnapshot(views, len(ops) + len(outside), tuple(lane.seq for lane in lanes),
                               tuple(str(lane.transport.name) for lane in lanes))
 
     def call_soon_threadsafe(self, fn: Callable[[], object]) -> bool:

@@ -178,3 +178,25 @@ def test_a_waiting_pipeline_sleeps_instead_of_spinning(node: Node) -> None:
     assert node.pipes[0].statistics().sleeps <= 8  # ~3 timed re-checks, a few wakes
     node.pipes[1].submit(node.job(1, 0, 3))
     node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+
+
+def test_a_round_waiting_for_a_peer_shows_as_a_stall_naming_it(node: Node) -> None:
+    """Invariant 2: the watchdog's stall inspector sees the pipeline's wait (it is
+    no engine op) and names the rank that holds it up; a rank that only waits for
+    its own backward is no stall."""
+    from asynclock.progress import Engine
+
+    node.pipes[0].submit(node.job(0, 0, 3))
+    node.pipes[1].submit(node.job(1, 0, 0))  # rank 1's backward has packed nothing yet
+    node.drain_until(lambda: node.pipes[0].stalled() is not None)
+    stall = node.pipes[0].stalled()
+    assert stall is not None and "waiting for ranks [1]" in stall.description
+    assert "rank 1 packed 0/3" in stall.description
+    assert node.pipes[1].stalled() is None
+    engine = Engine()
+    engine.watched.append(node.pipes[0].stalled)
+    snap = engine.snapshot()
+    assert snap.in_flight == 1 and snap.ops[0].description == stall.description
+    node.pipes[1].packed(node.pipes[1].current or node.job(1, 0, 3), 3)
+    node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+    assert node.pipes[0].stalled() is None

@@ -150,6 +150,8 @@ class ShmTransport:
         self.peers, self.post, self._call_soon = peers, post, call_soon
         self.pipeline = None if arena is None else ShmPipeline(
             arena, plan, peers, post, call_soon, lambda: engine.failure)
+        if self.pipeline is not None:
+            engine.watched.append(self.pipeline.stalled)
         self._rounds: dict[int, _Round] = {}
         self._lock = threading.Lock()  # guards _rounds and the counts
         self._index = 0  # shared-memory rounds handed to the pipeline so far (loop only)
@@ -310,3 +312,5 @@ class ShmTransport:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.stop()
+            if self.pipeline.stalled in self.engine.watched:
+                self.engine.watched.remove(self.pipeline.stalled)

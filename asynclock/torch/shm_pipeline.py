@@ -24,6 +24,7 @@ it compares plan checksums, and a joined rank refuses it on every rank.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendError
+from ..progress import InflightOp
 from ..threadsafe import name_os_thread
 from . import futex
 from .buckets import Bucket, Plan
@@ -82,6 +84,7 @@ class ShmPipeline:
         self._stopped = False
         self.current: RoundJob | None = None
         self._finished = self._sleeps = 0
+        self._blocked_since: float | None = None  # waiting on peers since (perf_counter)
         self._thread = threading.Thread(target=self._run, name="asynclock-shm", daemon=True)
         self._thread.start()
 
@@ -142,6 +145,7 @@ class ShmPipeline:
             if self.current is None and self._stopped:
                 return
             if self.current is None or not self._advance(self.current):
+                self._note_blocked(self.current)
                 self._sleeps += 1
                 futex.wait(self.arena.bell_addresses[self.me], bell, _CHECK_S)
 
@@ -154,13 +158,42 @@ class ShmPipeline:
             error = exc
         self._call_soon(lambda: then(error))
 
+    def _note_blocked(self, job: RoundJob | None) -> None:
+        """Start the stall clock when only a peer can move the round on."""
+        if job is None or not self._behind(job):
+            self._blocked_since = None
+        elif self._blocked_since is None:
+            self._blocked_since = time.perf_counter()
+
+    def _behind(self, job: RoundJob) -> list[int]:
+        """Ranks whose counters hold this rank back (empty: it waits for its own
+        backward, which is no stall of the round)."""
+        mine = self.arena.counters[self.me]
+        need = [int(mine[PACKED]), int(mine[REDUCED])]
+        if job.gathered == len(job.order):
+            return [q for q, c in enumerate(self.arena.counters) if int(c[GATHERED]) <= job.index]
+        return [q for q, c in enumerate(self.arena.counters)
+                if int(c[PACKED]) < need[0] or int(c[REDUCED]) < need[1]]
+
+    def stalled(self) -> InflightOp | None:
+        """The round's wait for peers, as the stall inspector shows ops (any thread)."""
+        job, since = self.current, self._blocked_since
+        if job is None or since is None:
+            return None
+        text = (f"shared-memory gradient round {job.index} waiting for ranks "
+                f"{self._behind(job)} ({self.describe()})")
+        return InflightOp(text, time.perf_counter() - since, -1, job.index, id(job))
+
     def _advance(self, job: RoundJob) -> bool:
         """Do whatever the counters allow; False when only a peer can move things."""
         try:
             problem = self._problem()
             if problem is not None:
                 raise problem
-            return self._progress(job)
+            moved = self._progress(job)
+            if moved:
+                self._blocked_since = None
+            return moved
         except Exception as exc:  # a torch error here, or a peer/job failure
             self._abort(job, exc)
             return True
