@@ -65,6 +65,9 @@ class Operation:
     """Base of all collectives; subclasses supply payload, plan and result."""
 
     threaded_min_bytes = 0  # set by the engine's policy
+    # Nobody waits on it with a free core to burn: no spin, no tight polling (the
+    # shared-memory round's check, issued while backward still computes).
+    patient = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
                  "_recv")

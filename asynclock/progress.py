@@ -172,7 +172,7 @@ class Engine:
 
     def _spin(self, op: Operation) -> bool:
         """Bounded busy test: cheaper than a scheduler round trip for small ops."""
-        deadline = op.issued_at + self.policy.spin_s
+        deadline = op.issued_at + (0.0 if op.patient else self.policy.spin_s)
         while True:
             if op.poll():
                 op.lane.pump(self._issue)
@@ -268,7 +268,8 @@ class Engine:
                 continue
             now = time.perf_counter()
             waited = now - self._last_progress
-            if waited < self.policy.busy_s or now < self.eager_until:
+            patient = all(op.patient or op.threaded for op in self.inflight)
+            if (waited < self.policy.busy_s and not patient) or now < self.eager_until:
                 await anyio.sleep(0)
             else:
                 await self._sleep_until_woken(self._idle_sleep(waited))

@@ -200,3 +200,47 @@ def test_a_round_waiting_for_a_peer_shows_as_a_stall_naming_it(node: Node) -> No
     node.pipes[1].packed(node.pipes[1].current or node.job(1, 0, 3), 3)
     node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
     assert node.pipes[0].stalled() is None
+
+
+class _Pending:
+    """Stand-in for an op whose peers have not arrived: counts the engine's polls."""
+
+    def __init__(self, patient: bool) -> None:
+        from asynclock.backends.local import LocalBackend
+        from asynclock.operation import Lane
+
+        self.patient, self.threaded, self.done, self.polls = patient, False, False, 0
+        self.lane = Lane(LocalBackend().channel("stage"))
+        self.issued_at = 0.0
+
+    def start(self) -> None:
+        return None
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return False
+
+
+def test_a_patient_op_is_neither_spun_for_nor_polled_tightly() -> None:
+    """The round's checked stage is issued while this rank's backward computes: a
+    spin or a tight poll for the peers would take that core (2 ranks, 2 cores)."""
+    import anyio
+
+    from asynclock.progress import Engine, ProgressPolicy
+
+    engine = Engine(ProgressPolicy(spin_s=0.05, busy_s=1.0))
+    eager, patient = _Pending(False), _Pending(True)
+    engine.submit(eager)  # type: ignore[arg-type]
+    assert eager.polls > 10  # spun for 50 ms
+    engine.inflight.clear()
+    engine.submit(patient)  # type: ignore[arg-type]
+    assert patient.polls == 1
+
+    async def poll_for(seconds: float) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await anyio.sleep(seconds)
+            tg.cancel_scope.cancel()
+
+    anyio.run(poll_for, 0.05)
+    assert patient.polls <= 60  # ~1 ms sleeps, not a busy loop for `busy_s`

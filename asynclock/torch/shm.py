@@ -115,7 +115,11 @@ class _Round:
 
 
 class _Agree(AllreduceOp):
-    """The round's checked stage: min over ranks of "buckets packed", with a callback."""
+    """The round's checked stage: min over ranks of "buckets packed", with a callback.
+    Patient: it is issued as backward starts packing, and spinning for the peers
+    would take the core from this rank's own backward."""
+
+    patient = True
 
     def __init__(self, lane: Lane, call: Call, value: np.ndarray[Any, Any],
                  on_done: Callable[[int, BaseException | None], None]) -> None:
