@@ -43,6 +43,15 @@ class Lane:
         self.size = transport.size
         self.seq = 0
         self.queue: deque[Operation] = deque()
+        self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
+        self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
+
+    def note_latency(self, seconds: float) -> float | None:
+        """Record a small op's issue-to-done time; every 4th call returns the median
+        of the recent ones (else None), so the caller re-derives its spin rarely."""
+        self.recent.append(seconds)
+        n = len(self.recent)
+        return sorted(self.recent)[n // 2] if n >= 4 and n % 4 == 0 else None
 
     def next_seq(self) -> int:
         self.seq += 1

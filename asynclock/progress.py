@@ -18,9 +18,6 @@ every in-flight request. Policy, measured in `bench/collectives.py`:
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,32 +30,11 @@ from .errors import BackendError
 from .header import Call
 from .operation import Lane, Operation, State
 from .ops import DTYPE_NAMES, Kind, ReduceOp
-from .threadsafe import loop_caller, name_os_thread
+from .progress_policy import ProgressPolicy
+from .threadsafe import loop_caller
+from .wait_thread import WaitThread
 
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
-@dataclass(frozen=True, slots=True)
-class ProgressPolicy:
-    """Knobs of the progress engine (env: ASYNCLOCK_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES)."""
-
-    # 200 us: a 64 KiB allreduce at 2 ranks finishes inside the spin (79 vs 174 us
-    # with 50 us: bench/collectives.py, MPICH and Open MPI alike).
-    spin_s: float = 200e-6
-    busy_s: float = 2e-3
-    min_sleep_s: float = 1e-3
-    max_sleep_s: float = 20e-3
-    sleep_fraction: float = 0.05
-    thread_min_bytes: int = 1 << 20
-
-    @classmethod
-    def from_env(cls) -> ProgressPolicy:
-        return cls(spin_s=_env_float("ASYNCLOCK_SPIN_US", 200) * 1e-6,
-                   busy_s=_env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
-                   thread_min_bytes=int(_env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)))
+__all__ = ["Engine", "EngineSnapshot", "EngineStatistics", "InflightOp", "ProgressPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +84,7 @@ class Engine:
         # One wait thread per lane: a lane's bulk stages run blocking, in its
         # agreed order; lanes are ordered independently of each other, so two
         # lanes sharing a thread could block each other crosswise across ranks.
-        self._waiters: dict[Lane, _WaitThread] | None = None
+        self._waiters: dict[Lane, WaitThread] | None = None
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
         self.eager_until = 0.0  # poll tightly until then (a blocked synchronous caller)
@@ -137,11 +113,13 @@ class Engine:
         self._begin(op)
         return self._adopt(op, op.poll())
 
-    def count_synchronous(self, issued_at: float) -> None:
+    def count_synchronous(self, issued_at: float, lane: Lane | None = None) -> None:
         """Account for an op that issued and finished inside one call (`asynclock.tiny`)."""
         self._issued += 1
         self._completed += 1
         self._last_progress = issued_at
+        if lane is not None:
+            self.note_latency(lane, time.perf_counter() - issued_at)
 
     def adopt_issued(self, op: Operation, issued_at: float) -> None:
         """Take over an op whose first round was started outside `submit` (`asynclock.tiny`)."""
@@ -162,8 +140,10 @@ class Engine:
         """Count an op that already finished, or hand it to the poller."""
         if finished:
             self._completed += 1
+            now = time.perf_counter()
+            self._note_done(op, now)
             if self.on_event is not None:
-                self.on_event("done", op, time.perf_counter())
+                self.on_event("done", op, now)
             return op
         self.inflight.append(op)
         if self._wake is not None:
@@ -172,7 +152,7 @@ class Engine:
 
     def _spin(self, op: Operation) -> bool:
         """Bounded busy test: cheaper than a scheduler round trip for small ops."""
-        deadline = op.issued_at + (0.0 if op.patient else self.policy.spin_s)
+        deadline = op.issued_at + (0.0 if op.patient else self.spin_for(op.lane))
         while True:
             if op.poll():
                 op.lane.pump(self._issue)
@@ -180,6 +160,25 @@ class Engine:
                     return True
             if op.threaded or time.perf_counter() >= deadline:
                 return False  # the wait thread has it: spinning would only hold the GIL
+
+    def spin_for(self, lane: Lane) -> float:
+        """How long to spin for an op on `lane` (kept cheap: `asynclock.tiny` asks
+        once per call)."""
+        return self.policy.spin_s if lane.spin_s is None else lane.spin_s
+
+    def note_latency(self, lane: Lane, seconds: float) -> None:
+        """Adapt the lane's spin: twice its typical small op when that fits under
+        `max_spin_s` (a spin that usually succeeds), else the default `spin_s`."""
+        typical = lane.note_latency(seconds)
+        if typical is not None:
+            p = self.policy
+            lane.spin_s = p.spin_s if typical > p.max_spin_s else min(
+                p.max_spin_s, max(p.spin_s, 2 * typical))
+
+    def _note_done(self, op: Operation, now: float) -> None:
+        """Small ops someone waited for eagerly feed their lane's spin."""
+        if not (op.threaded or op.patient or op.lane is _NO_LANE):
+            self.note_latency(op.lane, now - op.issued_at)
 
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
@@ -202,11 +201,11 @@ class Engine:
         if waiter is not None:
             waiter.stop()
 
-    def _waiter_for(self, lane: Lane) -> _WaitThread:
+    def _waiter_for(self, lane: Lane) -> WaitThread:
         assert self._waiters is not None
         waiter = self._waiters.get(lane)
         if waiter is None:
-            waiter = self._waiters[lane] = _WaitThread(self._poke)
+            waiter = self._waiters[lane] = WaitThread(self._poke)
         return waiter
 
     # -- awaiting --------------------------------------------------------------
@@ -309,6 +308,11 @@ class Engine:
         for lane in self.lanes:
             lane.pump(self._issue)
         still = [op for op in self.inflight if not op.done]
+        if len(still) < len(self.inflight):
+            now = time.perf_counter()
+            for op in self.inflight:
+                if op.done:
+                    self._note_done(op, now)
         if self.on_event is not None:
             self._report_done()
         self._completed += len(self.inflight) - len(still)
@@ -413,46 +417,3 @@ class _NoLane:
 
 
 _NO_LANE: Any = _NoLane()
-
-
-class _WaitThread:
-    """Blocking waits for large data stages, off the loop (GIL released in Wait)."""
-
-    def __init__(self, poke: Callable[[], None]) -> None:
-        self._poke = poke
-        self._put = self._done = 0  # each written by one thread only
-        self._queue: queue.SimpleQueue[tuple[Operation, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="asynclock-wait", daemon=True)
-        self._thread.start()
-
-    def put(self, op: Operation, request: Any) -> None:
-        self._put += 1
-        self._queue.put((op, request))
-
-    def _run(self) -> None:
-        name_os_thread("asynclock-wait")
-        while (item := self._queue.get()) is not None:
-            self._wait(*item)
-            # Hold no reference while idle: if the last buffer were freed here at
-            # interpreter exit, torch's dealloc would re-take the GIL in a daemon
-            # thread, which CPython ends by pthread_exit through C++: an abort.
-            del item
-
-    def _wait(self, op: Operation, request: Any) -> None:
-        try:
-            request.Wait()
-        except Exception as exc:  # surfaced by the op on the loop
-            op.error = exc
-        op.thread_done = True
-        self._done += 1
-        self._poke()
-
-    def stop(self) -> None:
-        """End the thread; join it when idle, so no wait outlives the engine.
-
-        A wait that never returns (a peer died mid-transfer) is not joined:
-        the loop must not block on it, and the job is failing anyway.
-        """
-        self._queue.put(None)
-        if self._put == self._done and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2.0)

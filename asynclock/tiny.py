@@ -136,7 +136,7 @@ class TinyCollectives:
         except Exception as exc:  # as `Operation.issue_next` reports it
             raise BackendError(f"allreduce #{self._seq} on {self._lane.transport.name}: "
                                f"{exc}") from exc
-        deadline = self._issued_at + self._engine.policy.spin_s
+        deadline = self._issued_at + self._engine.spin_for(self._lane)
         while not data.Test():
             if time.perf_counter() >= deadline:
                 return self._hand_off_data(sig, data, obj, a, out, shape)
@@ -203,16 +203,16 @@ class TinyCollectives:
         lane = self._lane
         seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
         issued_at = self._issued_at = time.perf_counter()
-        state = rnd.exchange(sig.header, seq, data, self._engine.policy.spin_s,
+        state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(self._lane),
                              sig.fold if out is not None else 0, out)
         if state == fastpath.DONE_FOLDED:
-            self._engine.count_synchronous(issued_at)
+            self._engine.count_synchronous(issued_at, self._lane)
             return FOLDED
         if state == fastpath.IN_FLIGHT:
             return fastpath.take_request(rnd)
         if state == fastpath.DIFFERENT and self._check(sig):
             return fastpath.finished_request()  # a rank joined: the general path folds
-        self._engine.count_synchronous(issued_at)
+        self._engine.count_synchronous(issued_at, self._lane)
         return None
 
     def _exchange_python(self, sig: Signature, payload: bytes) -> Any:
@@ -224,7 +224,7 @@ class TinyCollectives:
         send_bytes[HEADER_BYTES:sig.end] = payload
         issued_at = self._issued_at = time.perf_counter()
         req = self._start(self._send, self._recv)
-        deadline = issued_at + self._engine.policy.spin_s
+        deadline = issued_at + self._engine.spin_for(self._lane)
         while not req.Test():
             if time.perf_counter() >= deadline:
                 return req
@@ -235,7 +235,7 @@ class TinyCollectives:
                 return req  # finished, but a rank joined: the general path folds it
         elif self._size > 2 and not self._agree() and self._check(sig):
             return req
-        self._engine.count_synchronous(issued_at)
+        self._engine.count_synchronous(issued_at, self._lane)
         return None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,
