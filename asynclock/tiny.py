@@ -127,7 +127,7 @@ class TinyCollectives:
         issue its data stage: data stages go out in header order on every rank."""
         if self._lane.queue:
             return NOT_TINY
-        req = self._exchange(sig, None)
+        req = self._exchange(sig, None, whole=False)
         if req is not None:
             return self._hand_off(sig, req, obj, a, shape, inplace)
         out = a if inplace else np.empty(a.size, a.dtype)
@@ -140,6 +140,7 @@ class TinyCollectives:
         while not data.Test():
             if time.perf_counter() >= deadline:
                 return self._hand_off_data(sig, data, obj, a, out, shape)
+        self._engine.note_latency(self._lane, time.perf_counter() - self._issued_at)
         if op is ReduceOp.AVERAGE:
             finish_average_inplace(out, sig.code, self._size)
         return obj if inplace else _wrap(obj, sig.code)(out.reshape(shape))
@@ -191,31 +192,33 @@ class TinyCollectives:
             self._last = LastTensor(obj, view)
         return view
 
-    def _exchange(self, sig: Signature, data: Array | None, out: Array | None = None) -> Any:
+    def _exchange(self, sig: Signature, data: Array | None, out: Array | None = None,
+                  whole: bool = True) -> Any:
         """Issue the header round and spin: None once it completed and every rank
         agreed (else the general path's error is raised), FOLDED when the C round
         also folded the inline rows into `out`, or the request: still in flight,
         or finished with joined ranks standing in. Kept flat: each Python call
-        costs ~0.15 us here."""
-        rnd = self._round
+        costs ~0.15 us here. `whole`: the round is the whole op (its time teaches
+        the lane's spin); a staged allreduce reports its time after the data."""
+        rnd, lane = self._round, self._lane
+        taught = lane if whole else None
         if rnd is None:
-            return self._exchange_python(sig, b"" if data is None else data.tobytes())
-        lane = self._lane
+            return self._exchange_python(sig, b"" if data is None else data.tobytes(), taught)
         seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
         issued_at = self._issued_at = time.perf_counter()
-        state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(self._lane),
+        state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
                              sig.fold if out is not None else 0, out)
         if state == fastpath.DONE_FOLDED:
-            self._engine.count_synchronous(issued_at, self._lane)
+            self._engine.count_synchronous(issued_at, taught)
             return FOLDED
         if state == fastpath.IN_FLIGHT:
             return fastpath.take_request(rnd)
         if state == fastpath.DIFFERENT and self._check(sig):
             return fastpath.finished_request()  # a rank joined: the general path folds
-        self._engine.count_synchronous(issued_at, self._lane)
+        self._engine.count_synchronous(issued_at, taught)
         return None
 
-    def _exchange_python(self, sig: Signature, payload: bytes) -> Any:
+    def _exchange_python(self, sig: Signature, payload: bytes, whole: Lane | None) -> Any:
         """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
@@ -235,7 +238,7 @@ class TinyCollectives:
                 return req  # finished, but a rank joined: the general path folds it
         elif self._size > 2 and not self._agree() and self._check(sig):
             return req
-        self._engine.count_synchronous(issued_at, self._lane)
+        self._engine.count_synchronous(issued_at, whole)
         return None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,

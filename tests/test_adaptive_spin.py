@@ -65,3 +65,11 @@ def test_ops_finished_in_the_spin_teach_their_lane_patient_ones_do_not() -> None
         engine.submit(_Op(lane, 3))  # type: ignore[arg-type]
     engine.submit(_Op(lane, 1, patient=True))  # type: ignore[arg-type]
     assert len(lane.recent) == 3 and all(0 <= s < 0.5 for s in lane.recent)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_staged_allreduces_teach_the_spin_their_whole_time(loop: str) -> None:
+    from mpijob import assert_all_ok, run_job
+
+    job = run_job("adaptive_spin.py", 2, *(["--trio"] if loop == "trio" else []), timeout=120)
+    assert_all_ok(job, 2)
