@@ -174,14 +174,14 @@ class ShmTransport:
             before = rnd.launched
             while rnd.launched < len(rnd.order) and rnd.ready[rnd.order[rnd.launched]]:
                 rnd.launched += 1
-            job, launched = rnd.job, rnd.launched
-            start = not rnd.started and launched > 0
+            launched = rnd.launched
+            if rnd.job is not None and self.pipeline is not None:
+                self.pipeline.packed(rnd.job, launched)  # under the lock: counts never regress
+            start = not rnd.started and launched > 0 and rnd.job is None
             rnd.started = rnd.started or start
             loop_needed = start or (rnd.over_mpi is not None and launched > before)
         self._count(launched - before, 0)
-        if job is not None and self.pipeline is not None:
-            self.pipeline.packed(job, launched)
-        elif loop_needed:
+        if loop_needed:
             self._call_soon(partial(self._advance, rnd))
 
     def _round(self, run: StepRun) -> _Round:
