@@ -93,7 +93,7 @@ class Engine:
         # time.perf_counter()). Each call site tests for None, so off costs nothing.
         self.on_event: Callable[[str, Operation, float], None] | None = None
         # Waits outside the engine (the shared-memory gradient pipeline) report here,
-        # so the stall inspector sees them like in-flight ops (`watch`).
+        # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
 
     # -- submission ------------------------------------------------------------

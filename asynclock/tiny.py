@@ -218,7 +218,7 @@ class TinyCollectives:
         self._engine.count_synchronous(issued_at, taught)
         return None
 
-    def _exchange_python(self, sig: Signature, payload: bytes, whole: Lane | None) -> Any:
+    def _exchange_python(self, sig: Signature, payload: bytes, taught: Lane | None) -> Any:
         """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
@@ -238,7 +238,7 @@ class TinyCollectives:
                 return req  # finished, but a rank joined: the general path folds it
         elif self._size > 2 and not self._agree() and self._check(sig):
             return req
-        self._engine.count_synchronous(issued_at, whole)
+        self._engine.count_synchronous(issued_at, taught)
         return None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,

@@ -9,6 +9,7 @@ their default on one node).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -73,10 +74,8 @@ class Node:
         while not done():
             if time.monotonic() > deadline:
                 pytest.fail(f"pipelines stuck: {[p.describe() for p in self.pipes]}")
-            try:
+            with contextlib.suppress(queue.Empty):
                 self.calls.get(timeout=0.01)()
-            except queue.Empty:
-                pass
 
     def close(self) -> None:
         for p in self.pipes:

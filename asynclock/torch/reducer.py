@@ -268,8 +268,9 @@ class Reducer:
                 f"'grad.g{run.generation}.b{k}')")
         if missing:
             return text + f"; this rank never produced gradients for: {', '.join(missing[:5])}"
-        if run.transport is not None and run.transport.describe():
-            return f"{text}; {run.transport.describe()}"
+        shared = run.transport.describe() if run.transport is not None else ""
+        if shared:
+            return f"{text}; {shared}"
         return text + (f"; launched {run.next}/{run.size} buckets here, {stats.in_flight} in "
                        "flight: the other ranks have not joined this allreduce")
 

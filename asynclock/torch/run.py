@@ -60,7 +60,8 @@ class StepRun:
         return len(self.plan.buckets)
 
     def finish(self, k: int, error: BaseException | None) -> None:
-        """Loop side: bucket k completed (or failed) on this rank."""
+        """Bucket k completed (or failed) on this rank: on the loop (scheduler), or in
+        the shared-memory pipeline's thread, which then owns the bucket alone."""
         self.done_at[k] = time.perf_counter()
         self.errors[k] = error
         self.completed += 1

@@ -13,6 +13,8 @@ Each bucket is a header-checked allreduce (`AllreduceOp`), so a rank whose
 bucket differs (size, dtype, plan generation) makes every rank raise the
 same `MismatchError`. Completion is a callback from the progress engine: no
 task per bucket, no scheduling delay between completion and next launch.
+Shared-memory rounds (`shm.ShmTransport`) do not pass through here: hooks
+hand their buckets to the pipeline directly.
 """
 
 from __future__ import annotations
@@ -106,8 +108,7 @@ class Scheduler:
             return True
         k = run.plan.launch[run.next]
         nbytes = run.plan.buckets[k].nbytes
-        windowed = run.transport is None or run.transport.windowed
-        if not run.ready[k] or (windowed and self._in_flight and
+        if not run.ready[k] or (self._in_flight and
                                 self._in_flight_bytes + nbytes > self.window_bytes):
             return False
         run.next += 1
@@ -122,11 +123,6 @@ class Scheduler:
 
         run.launched_at[k] = time.perf_counter()
         self._launched += 1
-        if run.transport is not None:
-            sizes = run.plan.buckets
-            run.transport.launch(run, k, lambda j, err: self._finished(run, j, sizes[j].nbytes,
-                                                                       err))
-            return
         try:
             buf = as_buffer(run.storage.comm[k], writable=True)
             self.engine.submit(bucket_op(self.lane, buf, f"grad.g{run.generation}.b{k}", done))

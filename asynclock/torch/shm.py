@@ -111,7 +111,6 @@ class _Round:
         self.failed: BaseException | None = None
         self.over_mpi: int | None = None  # a rank joined: buckets issued as plain allreduces
         self.landed = 0  # ... and completed
-        self.finished = 0  # buckets done here (for statistics)
 
 
 class _Agree(AllreduceOp):
