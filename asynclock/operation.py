@@ -79,7 +79,7 @@ class Operation:
     patient = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
-                 "_recv")
+                 "awaiting_hint", "_recv")
 
     def __init__(self, lane: Lane, call: Call) -> None:
         self.lane = lane
@@ -96,6 +96,9 @@ class Operation:
         self.issued_at = 0.0
         self.detached = False
         self.joined: tuple[int, ...] = ()  # ranks that stand in (asynclock.join)
+        # True while only a sign from outside MPI (`Engine.hint`) says the peers have
+        # issued it: the poller then sleeps long instead of testing every millisecond.
+        self.awaiting_hint = False
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from .alarm import Alarm
 from .errors import BackendError
 from .header import Call
 from .operation import Lane, Operation, State
@@ -78,7 +79,7 @@ class Engine:
         self.policy = policy or ProgressPolicy.from_env()
         self.inflight: list[Operation] = []
         self.lanes: list[Lane] = []
-        self._wake: anyio.Event | None = None
+        self._alarm = Alarm()  # the poller's sleep, ended early by new work
         self._last_progress = time.perf_counter()
         self._issued = self._completed = self._detached = self._thread_waits = 0
         # One wait thread per lane: a lane's bulk stages run blocking, in its
@@ -146,8 +147,7 @@ class Engine:
                 self.on_event("done", op, now)
             return op
         self.inflight.append(op)
-        if self._wake is not None:
-            self._wake.set()
+        self._alarm.wake()
         return op
 
     def _spin(self, op: Operation) -> bool:
@@ -260,9 +260,10 @@ class Engine:
                 continue
             if self.poll_all():
                 self._last_progress = time.perf_counter()
-            if all(op.threaded for op in self.inflight):
-                # Only the wait thread can finish these, and it wakes us: polling
-                # would just contend for the GIL the thread needs to return.
+            if all(op.threaded or op.awaiting_hint for op in self.inflight):
+                # Only the wait thread can finish these, or a peer's sign must come
+                # first, and either wakes us: polling would just take the core (and
+                # the GIL the thread needs to return).
                 await self._sleep_until_woken(self.policy.max_sleep_s)
                 continue
             now = time.perf_counter()
@@ -278,10 +279,13 @@ class Engine:
         return min(p.max_sleep_s, max(p.min_sleep_s, p.sleep_fraction * waited))
 
     async def _sleep_until_woken(self, timeout: float | None) -> None:
-        self._wake = wake = anyio.Event()
-        with anyio.move_on_after(timeout):
-            await wake.wait()
-        self._wake = None
+        await self._alarm.sleep(timeout)
+
+    def hint(self, op: Operation) -> None:
+        """Every rank has issued `op`, as a sign outside MPI shows (loop thread):
+        test it at the usual cadence from now on."""
+        op.awaiting_hint = False
+        self._wake_now()
 
     def _poke(self) -> None:
         """From the wait thread: schedule a wake-up on the loop."""
@@ -290,8 +294,7 @@ class Engine:
 
     def _wake_now(self) -> None:
         self._last_progress = time.perf_counter()
-        if self._wake is not None:
-            self._wake.set()
+        self._alarm.wake()
 
     def poll_all(self) -> bool:
         """Test every in-flight op once; pump lanes; drop finished ops."""

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
+from .env import env_float
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +25,7 @@ class ProgressPolicy:
 
     @classmethod
     def from_env(cls) -> ProgressPolicy:
-        return cls(spin_s=_env_float("ASYNCLOCK_SPIN_US", 200) * 1e-6,
-                   max_spin_s=_env_float("ASYNCLOCK_MAX_SPIN_US", 1000) * 1e-6,
-                   busy_s=_env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
-                   thread_min_bytes=int(_env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)))
+        return cls(spin_s=env_float("ASYNCLOCK_SPIN_US", 200) * 1e-6,
+                   max_spin_s=env_float("ASYNCLOCK_MAX_SPIN_US", 1000) * 1e-6,
+                   busy_s=env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
+                   thread_min_bytes=int(env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)))

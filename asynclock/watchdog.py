@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .env import env_float
 from .errors import RankFailedError, StallError
 from .failure import EXIT_RANK_FAILED, EXIT_STALL, hard_exit, write_stderr
 from .progress import Engine, EngineSnapshot, InflightOp
@@ -56,11 +57,6 @@ LAG_NOTE_S = 1.0  # an event loop that has not run for this long is worth naming
 MAX_PENDING_SENDS = 256  # a frozen peer must not make us queue heartbeats for ever
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
 @dataclass(frozen=True, slots=True)
 class WatchdogPolicy:
     """Thresholds, from ASYNCLOCK_HEARTBEAT_S, _DEAD_AFTER_S, _STALL_WARN_S,
@@ -74,11 +70,11 @@ class WatchdogPolicy:
 
     @classmethod
     def from_env(cls) -> WatchdogPolicy:
-        return cls(_env_float("ASYNCLOCK_HEARTBEAT_S", 0.5),
-                   _env_float("ASYNCLOCK_DEAD_AFTER_S", 10.0),
-                   _env_float("ASYNCLOCK_STALL_WARN_S", 60.0),
-                   _env_float("ASYNCLOCK_STALL_ABORT_S", 0.0),
-                   _env_float("ASYNCLOCK_FAILURE_GRACE_S", 2.0))
+        return cls(env_float("ASYNCLOCK_HEARTBEAT_S", 0.5),
+                   env_float("ASYNCLOCK_DEAD_AFTER_S", 10.0),
+                   env_float("ASYNCLOCK_STALL_WARN_S", 60.0),
+                   env_float("ASYNCLOCK_STALL_ABORT_S", 0.0),
+                   env_float("ASYNCLOCK_FAILURE_GRACE_S", 2.0))
 
 
 @dataclass(frozen=True, slots=True)

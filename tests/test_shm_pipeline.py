@@ -48,7 +48,7 @@ class Node:
                                Caps(bucket_bytes=28, first_bucket_bytes=28))
         self.b = len(self.plan.buckets)
         n = sum(numels)
-        counters = [np.zeros(4, np.int64) for _ in range(2)]
+        counters = [np.zeros(5, np.int64) for _ in range(2)]
         bells = [np.zeros(1, np.uint32) for _ in range(2)]
         self.buffers = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)]
         self.calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
@@ -186,7 +186,8 @@ def test_a_round_waiting_for_a_peer_shows_as_a_stall_naming_it(node: Node) -> No
     from asynclock.progress import Engine
 
     node.pipes[0].submit(node.job(0, 0, 3))
-    node.pipes[1].submit(node.job(1, 0, 0))  # rank 1's backward has packed nothing yet
+    late = node.job(1, 0, 0)
+    node.pipes[1].submit(late)  # rank 1's backward has packed nothing yet
     node.drain_until(lambda: node.pipes[0].stalled() is not None)
     stall = node.pipes[0].stalled()
     assert stall is not None and "waiting for ranks [1]" in stall.description
@@ -196,7 +197,7 @@ def test_a_round_waiting_for_a_peer_shows_as_a_stall_naming_it(node: Node) -> No
     engine.watched.append(node.pipes[0].stalled)
     snap = engine.snapshot()
     assert snap.in_flight == 1 and snap.ops[0].description == stall.description
-    node.pipes[1].packed(node.pipes[1].current or node.job(1, 0, 3), 3)
+    node.pipes[1].packed(late, 3)  # the job itself: its thread may not have taken it yet
     node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
     assert node.pipes[0].stalled() is None
 
@@ -209,6 +210,7 @@ class _Pending:
         from asynclock.operation import Lane
 
         self.patient, self.threaded, self.done, self.polls = patient, False, False, 0
+        self.awaiting_hint = False
         self.lane = Lane(LocalBackend().channel("stage"))
         self.issued_at = 0.0
 
@@ -243,3 +245,49 @@ def test_a_patient_op_is_neither_spun_for_nor_polled_tightly() -> None:
 
     anyio.run(poll_for, 0.05)
     assert patient.polls <= 60  # ~1 ms sleeps, not a busy loop for `busy_s`
+
+
+def test_the_loop_is_told_once_every_rank_started_the_round(node: Node) -> None:
+    """The checked stage's hint: a rank announcing its round is not enough; when the
+    last rank announces, each pipeline tells its loop exactly once, with the count."""
+    told: list[list[int]] = [[], []]
+    sleeps = node.pipes[0].statistics().sleeps
+    node.pipes[0].announce(1, told[0].append)
+    node.drain_until(lambda: node.pipes[0].statistics().sleeps > sleeps)  # checked, slept
+    assert told == [[], []]  # rank 1 has not started round 1
+    node.pipes[1].announce(1, told[1].append)
+    node.drain_until(lambda: told == [[1], [1]])
+    node.pipes[0].announce(2, told[0].append)
+    node.pipes[1].announce(2, told[1].append)
+    node.drain_until(lambda: told == [[1, 2], [1, 2]])
+
+
+def test_an_op_awaiting_its_hint_is_polled_slowly_then_promptly() -> None:
+    """Until `Engine.hint`, the checked stage is tested every `max_sleep_s` (a
+    fallback should the hint never come), not every millisecond; after the hint it
+    is tested at once."""
+    import anyio
+
+    from asynclock.progress import Engine, ProgressPolicy
+
+    engine = Engine(ProgressPolicy(spin_s=0.0, busy_s=0.0, max_sleep_s=0.02))
+    op = _Pending(True)
+    op.awaiting_hint = True
+    engine.submit(op)  # type: ignore[arg-type]
+    seen: dict[str, int] = {}
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await anyio.sleep(0.1)
+            seen["before"] = op.polls
+            engine.hint(op)  # type: ignore[arg-type]
+            for _ in range(100):
+                await anyio.sleep(0)
+            seen["after"] = op.polls
+            tg.cancel_scope.cancel()
+
+    anyio.run(run)
+    assert op.awaiting_hint is False
+    assert 2 <= seen["before"] <= 8  # ~5 fallback polls in 100 ms, not ~100
+    assert seen["after"] > seen["before"]

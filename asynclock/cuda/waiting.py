@@ -40,6 +40,7 @@ from typing import Any
 
 import anyio
 
+from ..env import env_float
 from ..errors import CollectiveTimeout
 from ..threadsafe import loop_caller
 from .device import active_torch
@@ -47,8 +48,7 @@ from .events import blocking_event
 
 
 def _env_us(name: str, default_us: float) -> float:
-    value = os.environ.get(name)
-    return (float(value) if value else default_us) * 1e-6
+    return env_float(name, default_us) * 1e-6
 
 
 @dataclass(frozen=True, slots=True)

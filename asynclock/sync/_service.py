@@ -31,6 +31,7 @@ import anyio.abc
 import anyio.lowlevel
 import numpy as np
 
+from ..alarm import Alarm
 from ..backends.base import Channel, Request
 from ..progress import ProgressPolicy
 from ._manager import EventManager, PermitManager
@@ -70,7 +71,7 @@ class SyncService:
         self._sends: list[tuple[Request, Any]] = []
         self._buf = np.zeros(MAX_WORDS, np.int64)
         self._last = time.perf_counter()
-        self._wake: anyio.Event | None = None
+        self._alarm = Alarm()  # the pump's idle sleep, ended early by activity
         self.running = False
         self.received = self.sent = 0
         self.current_task: Callable[[], object] = any_task
@@ -160,8 +161,7 @@ class SyncService:
     def _activity(self) -> None:
         """Something was sent or received: poll tightly again for a while."""
         self._last = time.perf_counter()
-        if self._wake is not None:
-            self._wake.set()
+        self._alarm.wake()
 
     # -- receiving and routing -----------------------------------------------------
     def poll(self) -> bool:
@@ -309,11 +309,8 @@ class SyncService:
             if idle < p.busy_s or self._sends:
                 await anyio.sleep(0)
                 continue
-            self._wake = wake = anyio.Event()
-            with anyio.move_on_after(min(p.max_sleep_s, max(p.min_sleep_s,
-                                                             p.sleep_fraction * idle))):
-                await wake.wait()
-            self._wake = None
+            await self._alarm.sleep(min(p.max_sleep_s, max(p.min_sleep_s,
+                                                           p.sleep_fraction * idle)))
 
     def _finish_sends(self) -> None:
         """Small sends complete at once (eager); give stragglers a bounded spin."""

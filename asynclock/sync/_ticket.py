@@ -9,15 +9,11 @@ from dataclasses import dataclass
 import anyio
 import sniffio
 
+from ..env import env_float
 from ._wire import M
 
 Msg = Sequence[int]
 Orphan = Callable[[M, Msg], None]
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +31,8 @@ class SyncPolicy:
 
     @classmethod
     def from_env(cls) -> SyncPolicy:
-        return cls(stall_s=_env_float("ASYNCLOCK_SYNC_STALL_S", 30.0),
-                   probe_s=_env_float("ASYNCLOCK_SYNC_PROBE_S", 10.0),
+        return cls(stall_s=env_float("ASYNCLOCK_SYNC_STALL_S", 30.0),
+                   probe_s=env_float("ASYNCLOCK_SYNC_PROBE_S", 10.0),
                    lease=os.environ.get("ASYNCLOCK_SYNC_LEASE", "1") != "0")
 
 

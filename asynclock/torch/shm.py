@@ -57,7 +57,7 @@ def eligible(coord: Any, lane: Lane) -> bool:
 
 CTL_BYTES = 256  # each rank's control block, ahead of its gradient buffers
 BELL_OFFSET = 128  # the futex word peers ring, on its own cache line
-COUNTERS = 4  # int64: packed, reduced, gathered (see shm_pipeline), aborted
+COUNTERS = 5  # int64: packed, reduced, gathered, aborted, started (see shm_pipeline)
 
 
 class SharedArena:
@@ -106,9 +106,9 @@ class _Round:
         self.lock = threading.Lock()
         self.ready = [False] * len(self.order)  # by bucket index
         self.launched = 0  # launch-order prefix packed on this rank
-        self.started = False  # the round's checked MPI stage was asked for
         self.job: RoundJob | None = None  # handed to the pipeline once checked
         self.failed: BaseException | None = None
+        self.started = 0  # this rank's count of checked stages, this round's included
         self.over_mpi: int | None = None  # a rank joined: buckets issued as plain allreduces
         self.landed = 0  # ... and completed
 
@@ -158,6 +158,9 @@ class ShmTransport:
         self._rounds: dict[int, _Round] = {}
         self._lock = threading.Lock()  # guards _rounds and the counts
         self._index = 0  # shared-memory rounds handed to the pipeline so far (loop only)
+        self._started = 0  # rounds whose checked stage was asked for (under _lock)
+        self._all_started = 0  # ... and that every rank has asked for, as far as told (loop)
+        self._agreeing: dict[int, _Agree] = {}  # checked stages in flight, by start count
         self.launched = self.completed = 0
         self.crc = zlib.crc32(repr([(b.group, b.numel) for b in plan.buckets]
                                    + list(plan.launch)).encode())
@@ -177,11 +180,21 @@ class ShmTransport:
             if rnd.job is not None and self.pipeline is not None:
                 self.pipeline.packed(rnd.job, launched)  # under the lock: counts never regress
             start = not rnd.started and launched > 0 and rnd.job is None
-            rnd.started = rnd.started or start
+            if start:
+                rnd.started = self._announce()
             loop_needed = start or (rnd.over_mpi is not None and launched > before)
         self._count(launched - before, 0)
         if loop_needed:
             self._call_soon(partial(self._advance, rnd))
+
+    def _announce(self) -> int:
+        """Count this round's checked stage and tell the peers' pipelines (see
+        `ShmPipeline.announce`), so they know when to test it."""
+        with self._lock:
+            self._started = started = self._started + 1
+        if self.pipeline is not None:
+            self.pipeline.announce(started, self._all_have_started)
+        return started
 
     def _round(self, run: StepRun) -> _Round:
         with self._lock:
@@ -215,14 +228,26 @@ class ShmTransport:
         call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.MIN),
                     dtype=DTYPE_CODES["int64"], shape=(1,), nbytes=8,
                     name=f"{self._tag(rnd)}.s1", root=EVERY_RANK)
-        self.engine.submit(_Agree(self.lane, call, value, partial(self._checked, rnd)))
+        agree = _Agree(self.lane, call, value, partial(self._checked, rnd))
+        if self.pipeline is not None and rnd.started > self._all_started:
+            agree.awaiting_hint = True  # the pipeline says when every rank issued it
+            self._agreeing[rnd.started] = agree
+        self.engine.submit(agree)
         return None
+
+    def _all_have_started(self, started: int) -> None:
+        """Every rank has issued checked stage number `started` (loop thread)."""
+        self._all_started = max(self._all_started, started)
+        agree = self._agreeing.pop(started, None)
+        if agree is not None and agree.awaiting_hint:
+            self.engine.hint(agree)
 
     def _tag(self, rnd: _Round) -> str:
         return f"g{rnd.run.generation}.{self.crc:08x}"
 
     def _checked(self, rnd: _Round, _least: int, err: BaseException | None) -> None:
         """The round's stage passed on every rank: the pipeline takes it from here."""
+        self._agreeing.pop(rnd.started, None)
         if isinstance(err, JoinedError):  # no data moved yet this round
             with rnd.lock:
                 rnd.over_mpi = 0
