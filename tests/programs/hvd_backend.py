@@ -75,20 +75,36 @@ async def check_widened(c: asynclock.Coordinator) -> None:
 
 async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
     """Regression: cancelling the task awaiting a Horovod data stage detaches it;
-    the op still completes on every rank, so the next collective is correct."""
+    the op still completes on every rank, so the next collective is correct.
+
+    Ordered, not timed: the other ranks issue the allreduce only after rank 0's
+    waiter was cancelled (a go message on a private communicator), so the op
+    cannot have completed under the waiter. (Left to timing, it once did, in CI.)"""
+    from mpi4py import MPI
+
+    side = MPI.COMM_WORLD.Dup()
     big = torch.ones(400_000) * (c.rank + 1)
-    handle = c.allreduce_async(big)  # issued here, on every rank, in this order
+    if c.rank != 0:
+        while not side.Iprobe(source=0):
+            await anyio.sleep(0.001)
+        side.recv(source=0)
+    handle = c.allreduce_async(big)  # issued on every rank in this order
 
     async def waiter() -> None:
         await handle
         raise AssertionError("the awaiting task was not cancelled")
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(waiter)
-        await anyio.sleep(0)
-        tg.cancel_scope.cancel()
+    if c.rank == 0:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0)
+            assert not handle.done(), "completed before the other ranks issued it"
+            tg.cancel_scope.cancel()
+        for r in range(1, c.size):
+            side.send("go", dest=r)
     await c.drain()
-    assert c.statistics().detached >= 1, c.statistics()
+    side.Free()
+    assert c.rank != 0 or c.statistics().detached >= 1, c.statistics()
     assert torch.all((await handle) == c.size * (c.size + 1) / 2)
     got = await c.allreduce(torch.full((1000,), 2.0))
     assert torch.all(got == 2.0 * c.size), got[:4]
