@@ -148,3 +148,15 @@ async def _local_condition_event(c: asynclock.Coordinator) -> None:
 def test_local_world(loop: str) -> None:
     """Every primitive on one rank without MPI (messages to self never leave)."""
     anyio.run(_local_world, backend=loop)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_cold_pump_polls_slowly_and_still_serves_first_contact(loop: str, tmp_path: Path) -> None:
+    """A rank that never used a primitive idles at the cold cadence (its loop wakes
+    ~10x a second instead of ~50); a first lock request homed there is served, and
+    the home rank then keeps the usual cadence."""
+    job = run_job("sync_cold.py", 2, *(["--trio"] if loop == "trio" else []), timeout=90)
+    assert_all_ok(job, 2)
+    _labels_ok(job, 2, ["cold_cadence"])
+    assert job.ok_lines("first_contact") == {0}, job.explain()
+    assert job.ok_lines("warm_cadence") == {1}, job.explain()

@@ -78,16 +78,13 @@ async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
     the op still completes on every rank, so the next collective is correct.
 
     Ordered, not timed: the other ranks issue the allreduce only after rank 0's
-    waiter was cancelled (a go message on a private communicator), so the op
-    cannot have completed under the waiter. (Left to timing, it once did, in CI.)"""
-    from mpi4py import MPI
-
-    side = MPI.COMM_WORLD.Dup()
+    waiter was cancelled (an asynclock event; under `horovodrun --gloo` there is
+    no MPI world to signal through), so the op cannot have completed under the
+    waiter. (Left to timing, it once did, in CI.)"""
+    go = c.event("cancel-detaches-go")
     big = torch.ones(400_000) * (c.rank + 1)
     if c.rank != 0:
-        while not side.Iprobe(source=0):
-            await anyio.sleep(0.001)
-        side.recv(source=0)
+        await go.wait()
     handle = c.allreduce_async(big)  # issued on every rank in this order
 
     async def waiter() -> None:
@@ -100,10 +97,8 @@ async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
             await anyio.sleep(0)
             assert not handle.done(), "completed before the other ranks issued it"
             tg.cancel_scope.cancel()
-        for r in range(1, c.size):
-            side.send("go", dest=r)
+        go.set()
     await c.drain()
-    side.Free()
     assert c.rank != 0 or c.statistics().detached >= 1, c.statistics()
     assert torch.all((await handle) == c.size * (c.size + 1) / 2)
     got = await c.allreduce(torch.full((1000,), 2.0))
