@@ -73,6 +73,10 @@ def parse() -> argparse.Namespace:
     add("--models", default="mlp,cnn")
     add("--windows", type=int, default=7, help="bench/train.py --windows")
     add("--steps", type=int, default=6, help="bench/train.py --steps")
+    add("--threads", action="store_true", help="bench/train.py --threads (CPU per thread)")
+    add("--env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for the ranks of --methods runs (repeatable)")
+    add("--methods", default=None, help="bench/train.py --methods (default: every system)")
     add("--compression", choices=("none", "fp16"), default="none",
         help="train: gradient compression for Horovod and asynclock")
     add("--sizes", default=None, help="bench/collectives.py --sizes")
@@ -87,9 +91,13 @@ def parse() -> argparse.Namespace:
 def specs(args: argparse.Namespace) -> list[Spec]:
     out: list[Spec] = []
     train = ("--models", args.models, "--windows", str(args.windows), "--steps", str(args.steps),
-             "--compression", args.compression)
+             "--compression", args.compression, *(["--threads"] if args.threads else []))
     for mpi in args.mpis.split(","):
-        if "train" in args.what:
+        if "train" in args.what and args.methods:
+            env = dict(kv.split("=", 1) for kv in args.env)
+            out.append(Spec(f"{mpi} train", mpi, "train.py", (*train, "--methods", args.methods),
+                            env))
+        elif "train" in args.what:
             out += train_specs(mpi, train)
         if "collectives" in args.what:
             extra = ("--sizes", args.sizes) if args.sizes else ()
@@ -122,8 +130,9 @@ def run_spec(rig: netrig_rig.Rig, spec: Spec, link: str, timeout: float) -> Any 
         code = job.finish(timeout)
         took = time.monotonic() - t0
         print(f"# [{link}] {spec.label}: exit {code} in {took:.0f} s", flush=True)
-        notes = [line for line in job.lines if line.startswith("#") or "rror" in line]
-        for line in notes[-12:]:
+        notes = [line for line in job.lines
+                 if line.startswith("#") or "rror" in line or "by thread" in line]
+        for line in notes[-24:]:
             print(f"#   {line[:200]}", flush=True)
         if code != 0:
             print(job.output[-4000:], file=sys.stderr)

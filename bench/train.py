@@ -324,6 +324,18 @@ def thread_table(model: str, args: argparse.Namespace) -> None:
         print(f"  {method:20s} cpu ms/step by thread: {shown}")
 
 
+def note_bulk_choice() -> None:
+    """Across hosts asynclock may send large allreduces over gloo: say what it chose."""
+    if "asynclock.torch" not in sys.modules:
+        return
+    from asynclock import runtime
+
+    coord = runtime.coordinator() if runtime.is_initialized() else None
+    choice = getattr(getattr(coord, "backend", None), "bulk_choice", "")
+    if choice:
+        note(f"asynclock bulk allreduces: {choice}")
+
+
 def note(text: str) -> None:
     if WORLD.rank == 0:
         print(f"# {text}", file=sys.stderr, flush=True)
@@ -359,6 +371,7 @@ def main() -> None:
         table(model, out)
         if args.threads and WORLD.rank == 0:
             thread_table(model, args)
+    note_bulk_choice()
     if args.json and WORLD.rank == 0:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

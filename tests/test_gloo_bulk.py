@@ -47,3 +47,21 @@ def test_measured_choice_is_the_same_on_every_rank() -> None:
 def test_no_rank_uses_gloo_unless_every_rank_imported_torch() -> None:
     bulk_job("gloo", "mpi (torch with gloo not imported on every rank)", 2,
               "--no-torch-on-rank0")
+
+
+@pytest.mark.parametrize(("mpi_wall", "gloo_wall", "mpi_cpu", "gloo_cpu", "wins"), [
+    (10.0, 8.5, 10.0, 10.0, True),   # 15% faster: time alone decides
+    (10.0, 9.5, 10.0, 10.0, False),  # 5% faster at the same CPU: not worth a second path
+    (9.0, 9.2, 9.0, 6.5, True),      # the rig's 4 MiB on a bad day: as fast, MPI spinning
+    (10.0, 12.0, 10.0, 7.0, True),   # 20% slower at 70% of the CPU
+    (10.0, 14.0, 10.0, 1.0, False),  # 40% slower (say IPoIB against InfiniBand): MPI
+    (10.0, 10.0, 10.0, 8.0, False),  # as fast at 80% of the CPU: MPI
+])
+def test_gloo_wins_on_time_or_on_cpu_at_little_cost_in_time(
+        mpi_wall: float, gloo_wall: float, mpi_cpu: float, gloo_cpu: float, wins: bool) -> None:
+    """The probe's rule (regression: a wall-time-only rule chose MPI for 4 MiB
+    buckets on the 2-host rig when both took about as long, and MPI's spinning
+    wait thread cost ~85 ms of CPU per MLP step)."""
+    from asynclock.backends.gloo_bulk import _gloo_wins
+
+    assert _gloo_wins(mpi_wall, gloo_wall, mpi_cpu, gloo_cpu) is wins

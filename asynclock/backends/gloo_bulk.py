@@ -20,9 +20,10 @@ if any rank cannot (no torch, an unreachable address), no rank uses gloo.
 Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
 first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
-both ways (3 each, every rank), takes the slowest rank's figures, and uses
-gloo from the smallest size at which it beats MPI by 10% (not at all if at
-none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
+both ways (3 each, every rank; wall time and process CPU time), takes the
+slowest rank's figures, and uses gloo from the smallest size at which it
+beats MPI by 10%, or is at most 25% slower at under 3/4 of the CPU (not at
+all if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
 `auto` (measured, across hosts only), `measure` (measured, also within a
 node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 `MPIBackend.bulk_choice` says what was chosen and why.
@@ -144,43 +145,66 @@ def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
 
 PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
 PROBE_REPS = 3
-PROBE_MARGIN = 0.9
+PROBE_MARGIN = 0.9  # gloo wins on time alone when 10% faster...
+CPU_MARGIN, CPU_SLACK = 0.75, 1.25  # ... or at 3/4 of the CPU, if at most 25% slower
 
 
 def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
-    """Time MPI's and gloo's allreduce at each probe size; the slowest rank's
-    medians decide the smallest size from which gloo is used (None: never).
+    """Time MPI's and gloo's allreduce at each probe size (wall time and the CPU
+    time of the whole process); the slowest rank's medians decide the smallest
+    size from which gloo is used (None: never).
+
+    CPU counts because bulk allreduces overlap training on the same cores: over
+    TCP, MPI's blocking allreduce spins a core for as long as the wire is busy,
+    gloo's threads mostly wait in the kernel (4 MiB on the 2-host rig at 5 Gbit/s:
+    MPI 12.5 ms wall, 12.3 ms CPU; gloo 8.8-10 ms, 6.7-7.2 ms CPU). In some runs
+    the two took about as long at 4 MiB and a wall-time-only probe chose MPI for
+    the 4 MiB gradient buckets, whose spinning wait thread then cost ~85 ms of CPU
+    per MLP step (139-147 samples/s against 176-180 with gloo, Open MPI, same day).
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
 
-    mine = np.array([_times(comm, group, n) for n in PROBE_SIZES])
+    mine = np.array([_costs(comm, group, n) for n in PROBE_SIZES])
     worst = np.empty_like(mine)
     comm.Allreduce(mine, worst, op=MPI.MAX)
-    wins = [n for n, (mpi_s, gloo_s) in zip(PROBE_SIZES, worst, strict=True)
-            if gloo_s < PROBE_MARGIN * mpi_s]
-    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * g:.1f} ms, MPI {1e3 * m:.1f} ms"
-                        for n, (m, g) in zip(PROBE_SIZES, worst, strict=True))
+    wins = [n for n, row in zip(PROBE_SIZES, worst, strict=True) if _gloo_wins(*row)]
+    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * gw:.1f} ms (cpu {1e3 * gc:.1f}), "
+                        f"MPI {1e3 * mw:.1f} ms (cpu {1e3 * mc:.1f})"
+                        for n, (mw, gw, mc, gc) in zip(PROBE_SIZES, worst, strict=True))
     if not wins:
         return None, f"mpi (allreduce {figures})"
     return wins[0], f"gloo from {wins[0] >> 20} MiB (allreduce {figures})"
 
 
-def _times(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
+def _gloo_wins(mpi_wall: float, gloo_wall: float, mpi_cpu: float, gloo_cpu: float) -> bool:
+    """10% faster, or no more than 25% slower at under 3/4 of the CPU."""
+    if gloo_wall < PROBE_MARGIN * mpi_wall:
+        return True
+    return gloo_wall <= CPU_SLACK * mpi_wall and gloo_cpu < CPU_MARGIN * mpi_cpu
+
+
+def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
+    """[MPI wall, gloo wall, MPI cpu, gloo cpu], medians in seconds per call."""
     from mpi4py import MPI
 
     data = np.ones(nbytes // 4, np.float32)
-    return [_median_time(lambda: comm.Allreduce(MPI.IN_PLACE, data)),
-            _median_time(lambda: group.allreduce(data, ReduceOp.SUM))]
+    mpi = _median_cost(lambda: comm.Allreduce(MPI.IN_PLACE, data))
+    gloo = _median_cost(lambda: group.allreduce(data, ReduceOp.SUM))
+    return [mpi[0], gloo[0], mpi[1], gloo[1]]
 
 
-def _median_time(fn: Any) -> float:
-    times = []
+def _median_cost(fn: Any) -> tuple[float, float]:
+    """Median wall time and median process CPU time (every thread: gloo's work is
+    done in its own threads) of `fn()`."""
+    walls, cpus = [], []
     for _ in range(PROBE_REPS):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    mid = len(walls) // 2
+    return sorted(walls)[mid], sorted(cpus)[mid]
 
 
 class GlooGroup:
