@@ -89,6 +89,7 @@ class ShmPipeline:
         # kind of writer (next() on itertools.count is atomic: the hook thread and
         # the loop both ring my own bell)
         self._rings = {kind: itertools.count(1) for kind in ("peer", "local", "start")}
+        self._writers = {"peer": self.me + 1, "local": self.n + 1, "start": self.n + 2 + self.me}
         self._watch = self._hinted = 0  # started rounds: announced here / all-started told
         self._on_all_started: Callable[[int], None] = _ignore
         self._stopped = False
@@ -101,22 +102,22 @@ class ShmPipeline:
     # -- loop side ---------------------------------------------------------------
     def submit(self, job: RoundJob) -> None:
         self._jobs.append(job)
-        self.ring(self.me, local=True)
+        self.ring(self.me, "local")
 
     def run_soon(self, task: Callable[[], None],
                  then: Callable[[BaseException | None], None]) -> None:
         """Run `task` in this thread; `then(error)` runs on the loop afterwards."""
         self._tasks.append((task, then))
-        self.ring(self.me, local=True)
+        self.ring(self.me, "local")
 
     def packed(self, job: RoundJob, launched: int) -> None:
         job.launched = launched
-        self.ring(self.me, local=True)
+        self.ring(self.me, "local")
 
     def stop(self) -> None:
         """Finish the round in hand (if peers let it), then end the thread."""
         self._stopped = True
-        self.ring(self.me, local=True)
+        self.ring(self.me, "local")
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
@@ -126,13 +127,11 @@ class ShmPipeline:
         self._on_all_started = on_all_started
         self._watch = started
         self._publish(STARTED, started, "start")
-        self.ring(self.me, local=True)  # maybe the last to start: look now
+        self.ring(self.me, "local")  # maybe the last to start: look now
 
-    def ring(self, q: int, local: bool = False, kind: str = "peer") -> None:
+    def ring(self, q: int, kind: str = "peer") -> None:
         """Change q's bell to a value nobody wrote before, then wake it."""
-        kind = "local" if local else kind
-        count = next(self._rings[kind])
-        writer = {"local": self.n, "peer": self.me, "start": self.n + 1 + self.me}[kind] + 1
+        count, writer = next(self._rings[kind]), self._writers[kind]
         self.arena.bells[q][0] = ((writer & 0x7F) << 24) | (count & 0xFFFFFF)
         futex.wake(self.arena.bell_addresses[q])
 
@@ -257,7 +256,7 @@ class ShmPipeline:
         self.arena.sync()
         for q in range(self.n):
             if q != self.me:
-                self.ring(q, kind=kind)
+                self.ring(q, kind)
 
     def _reduce_positions(self, job: RoundJob, positions: range) -> None:
         for p in positions:
