@@ -49,6 +49,7 @@ class AllreduceOp(Operation):
         self.buf, self.out, self.op = buf, out, op
         self.work: Array | None = None
         self.halved = False  # reduced 16-bit on the wire (ring)
+        self.inlined = False  # the payloads rode in the header slots
 
     def fill_inline(self, slot: Array) -> None:
         if self.buf.array.nbytes <= INLINE_BYTES:
@@ -61,7 +62,13 @@ class AllreduceOp(Operation):
             if self.joined:  # joined ranks sent no data: fold the others' (average: / size)
                 rows_in = np.delete(rows_in, self.joined, axis=0)
             fold(rows_in, self.buf.code, self.op, self.lane.size, self.out)
+            self.inlined = True
             return []
+        return self.data_stages()
+
+    def data_stages(self) -> list[Stage]:
+        """The one data stage, whatever the size (an agreed round skips the header)."""
+        a = self.buf.array
         self.stage_bytes = a.nbytes
         if self.buf.code in HALF_CODES:
             return [self._half_stage]
@@ -82,10 +89,10 @@ class AllreduceOp(Operation):
         return t.iallreduce(None, self.work, self.op)
 
     def finish(self) -> Any:
-        code, a = self.buf.code, self.buf.array
+        code = self.buf.code
         if self.halved and self.op is ReduceOp.AVERAGE:
             from_compute(to_compute(self.out, code) / np.float32(self.lane.size), code, self.out)
-        elif a.nbytes > INLINE_BYTES:
+        elif not self.inlined:
             target = self.work if self.work is not None else self.out
             if self.op is ReduceOp.AVERAGE:
                 finish_average_inplace(target, code, self.lane.size)

@@ -102,6 +102,8 @@ class Engine:
         """Start `op` now (caller's order), spin briefly, else hand it to the poller."""
         self._begin(op)
         op.start()
+        if op.state is State.READY:  # no header round (an agreed gradient round's bucket)
+            op.lane.pump(self._issue)
         return self._adopt(op, self._spin(op))
 
     def track(self, request: Any, what: str = "request") -> Operation:

@@ -74,6 +74,7 @@ def parse() -> argparse.Namespace:
     add("--windows", type=int, default=7, help="bench/train.py --windows")
     add("--steps", type=int, default=6, help="bench/train.py --steps")
     add("--threads", action="store_true", help="bench/train.py --threads (CPU per thread)")
+    add("--bucket-mb", type=float, default=None, help="bench/train.py --bucket-mb")
     add("--env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the ranks of --methods runs (repeatable)")
     add("--methods", default=None, help="bench/train.py --methods (default: every system)")
@@ -91,7 +92,8 @@ def parse() -> argparse.Namespace:
 def specs(args: argparse.Namespace) -> list[Spec]:
     out: list[Spec] = []
     train = ("--models", args.models, "--windows", str(args.windows), "--steps", str(args.steps),
-             "--compression", args.compression, *(["--threads"] if args.threads else []))
+             "--compression", args.compression, *(["--threads"] if args.threads else []),
+             *(["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb else []))
     for mpi in args.mpis.split(","):
         if "train" in args.what and args.methods:
             env = dict(kv.split("=", 1) for kv in args.env)

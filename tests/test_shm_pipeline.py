@@ -207,9 +207,10 @@ class _Pending:
 
     def __init__(self, patient: bool) -> None:
         from asynclock.backends.local import LocalBackend
-        from asynclock.operation import Lane
+        from asynclock.operation import Lane, State
 
         self.patient, self.threaded, self.done, self.polls = patient, False, False, 0
+        self.state = State.HEADER  # its header round is in flight
         self.awaiting_hint = False
         self.lane = Lane(LocalBackend().channel("stage"))
         self.issued_at = 0.0

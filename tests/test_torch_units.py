@@ -194,3 +194,80 @@ def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
         assert lane.seq == seq and not engine.inflight, "a lone stage op was issued"
     finally:
         transport.close()
+
+
+def _one_rank_scheduler(nbuckets: int):  # type: ignore[no-untyped-def]
+    """A scheduler on a one-rank local channel, and a run of `nbuckets` 8-float buckets."""
+    from asynclock.backends.local import LocalBackend
+    from asynclock.operation import Lane
+    from asynclock.progress import Engine
+    from asynclock.torch.run import StepRun
+    from asynclock.torch.scheduler import Scheduler
+
+    params = [torch.nn.Parameter(torch.ones(8)) for _ in range(nbuckets)]
+    reg = ParamRegistry(torch.optim.SGD(params, lr=0.1).param_groups)
+    sum(p.sum() for p in params).backward()
+    plan = build_plan(list(range(nbuckets)), reg.specs(None), Caps(32, 32))
+    storage = GradStorage(plan, reg)
+    for i in range(nbuckets):
+        storage.pack(i, 1.0)
+    engine, lane = Engine(), Lane(LocalBackend().channel("grad"))
+    engine.lanes.append(lane)
+    run = StepRun(1, 0, plan, storage, 1, nbuckets)
+    return Scheduler(engine, lane, 1 << 20), run, lane
+
+
+def test_a_checked_round_issues_one_check_then_bare_data_stages() -> None:
+    """One header round per gradient round, not one per bucket: the lane's
+    sequence counts the check plus one per bucket, and no bucket has a header."""
+    from asynclock.operation import State
+    from asynclock.torch.scheduler import CheckedBucketOp
+
+    scheduler, run, lane = _one_rank_scheduler(3)
+    started: list[str] = []
+    engine_submit = scheduler.engine.submit
+
+    def submit(op):  # type: ignore[no-untyped-def]
+        started.append(type(op).__name__)
+        if isinstance(op, CheckedBucketOp):
+            op.start = lambda: (CheckedBucketOp.start(op), started.append(op.state.name))
+        return engine_submit(op)
+
+    scheduler.engine.submit = submit  # type: ignore[method-assign]
+    for k in run.plan.launch:
+        scheduler.ready(run, k)
+    stats = scheduler.statistics()
+    assert (stats.checks, stats.launched, stats.header_buckets) == (1, 3, 0), stats
+    assert started == ["RoundCheck"] + ["CheckedBucketOp", State.READY.name] * 3, started
+    assert lane.seq == 4 and run.all_done() and run.errors == [None] * 3
+
+
+def test_the_check_waits_for_the_round_before_to_launch_everything() -> None:
+    """Its place on the lane is after every op of the round before, on every rank,
+    however early this rank packs the next round's first bucket."""
+    from asynclock.torch.run import StepRun
+
+    scheduler, first, lane = _one_rank_scheduler(2)
+    second = StepRun(2, 0, first.plan, first.storage, 1, 2)
+    scheduler.ready(first, first.plan.launch[1])  # not next in launch order: nothing goes
+    scheduler.ready(second, second.plan.launch[0])
+    assert scheduler.statistics().checks == 1 and lane.seq == 1  # the first round's check
+    scheduler.ready(first, first.plan.launch[0])
+    stats = scheduler.statistics()
+    assert (stats.checks, stats.launched, lane.seq) == (2, 3, 5), (stats, lane.seq)
+
+
+def test_a_failed_check_fails_every_bucket_and_launches_none() -> None:
+    """The verdict is collective: every rank fails the whole round at once, and a
+    bucket packed after that issues nothing."""
+    from asynclock.errors import MismatchError
+    from asynclock.torch.scheduler import Check
+
+    scheduler, run, lane = _one_rank_scheduler(3)
+    err = MismatchError("plans differ")
+    scheduler._check[run.number] = Check.PENDING  # as if the check were in flight
+    scheduler.ready(run, run.plan.launch[0])
+    scheduler._checked(run, 0, err)
+    assert run.errors == [err] * 3 and run.all_done() and lane.seq == 0
+    scheduler.ready(run, run.plan.launch[1])
+    assert scheduler.statistics().launched == 0 and lane.seq == 0

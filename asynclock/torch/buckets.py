@@ -16,6 +16,8 @@ buckets can be launched between its parts.
 
 from __future__ import annotations
 
+import functools
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,6 +86,13 @@ class Plan:
     group_numel: dict[str, int]
     param_offset: dict[int, int]
     param_buckets: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def crc(self) -> int:
+        """Checksum of the layout and launch order: ranks compare it once per round,
+        so a rank on another plan fails the round's check on every rank."""
+        return zlib.crc32(repr([(b.group, b.numel) for b in self.buckets]
+                               + list(self.launch)).encode())
 
     def launch_position(self) -> list[int]:
         """position[k] = where bucket k sits in the launch order."""

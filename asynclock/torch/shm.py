@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,16 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..collective_ops import AllreduceOp
 from ..errors import JoinedError
-from ..header import EVERY_RANK, Call
 from ..operation import Lane
-from ..ops import DTYPE_CODES, Kind, ReduceOp
 from ..progress import Engine
 from ..tensors import as_buffer
 from .buckets import Plan
 from .run import StepRun
-from .scheduler import BucketOp, bucket_op
+from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_pipeline import RoundJob, ShmPipeline, chunk
 
 ALIGN = 64
@@ -113,27 +109,6 @@ class _Round:
         self.landed = 0  # ... and completed
 
 
-class _Agree(AllreduceOp):
-    """The round's checked stage: min over ranks of "buckets packed", with a callback.
-    Patient: it is issued as backward starts packing, and spinning for the peers
-    would take the core from this rank's own backward."""
-
-    patient = True
-
-    def __init__(self, lane: Lane, call: Call, value: np.ndarray[Any, Any],
-                 on_done: Callable[[int, BaseException | None], None]) -> None:
-        super().__init__(lane, call, as_buffer(value, writable=True), value, ReduceOp.MIN)
-        self.value, self.on_done = value, on_done
-
-    def complete(self, value: Any) -> None:
-        super().complete(value)
-        self.on_done(int(self.value[0]), None)
-
-    def fail(self, exc: BaseException) -> None:
-        super().fail(exc)
-        self.on_done(0, exc)
-
-
 class ShmTransport:
     """One checked MPI stage per round; every bucket goes straight to the pipeline.
 
@@ -160,10 +135,8 @@ class ShmTransport:
         self._index = 0  # shared-memory rounds handed to the pipeline so far (loop only)
         self._started = 0  # rounds whose checked stage was asked for (under _lock)
         self._all_started = 0  # ... and that every rank has asked for, as far as told (loop)
-        self._agreeing: dict[int, _Agree] = {}  # checked stages in flight, by start count
+        self._agreeing: dict[int, RoundCheck] = {}  # checked stages in flight, by start count
         self.launched = self.completed = 0
-        self.crc = zlib.crc32(repr([(b.group, b.numel) for b in plan.buckets]
-                                   + list(plan.launch)).encode())
 
     # -- hook thread ---------------------------------------------------------------
     def packed(self, run: StepRun, k: int) -> None:
@@ -220,15 +193,12 @@ class ShmTransport:
             if rnd.over_mpi is not None:
                 ops = self._over_mpi_ops(rnd)
             else:
-                ops, value = [], np.array([rnd.launched], np.int64)
+                ops, value = [], rnd.launched
         if rnd.over_mpi is not None:  # submitted with the lock let go: one may end inline
             for op in ops:
                 self.engine.submit(op)
             return None
-        call = Call(Kind.ALLREDUCE, self.lane.next_seq(), op=int(ReduceOp.MIN),
-                    dtype=DTYPE_CODES["int64"], shape=(1,), nbytes=8,
-                    name=f"{self._tag(rnd)}.s1", root=EVERY_RANK)
-        agree = _Agree(self.lane, call, value, partial(self._checked, rnd))
+        agree = RoundCheck(self.lane, f"{self._tag(rnd)}.s1", value, partial(self._checked, rnd))
         if self.pipeline is not None and rnd.started > self._all_started:
             agree.awaiting_hint = True  # the pipeline says when every rank issued it
             self._agreeing[rnd.started] = agree
@@ -243,7 +213,7 @@ class ShmTransport:
             self.engine.hint(agree)
 
     def _tag(self, rnd: _Round) -> str:
-        return f"g{rnd.run.generation}.{self.crc:08x}"
+        return round_tag(self.plan, rnd.run.generation)
 
     def _checked(self, rnd: _Round, _least: int, err: BaseException | None) -> None:
         """The round's stage passed on every rank: the pipeline takes it from here."""

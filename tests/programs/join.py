@@ -206,7 +206,19 @@ def check_hvd_optimizer(h: Any) -> None:
         return
     shm = opt._reducer.transport is not None
     assert shm == ("--shm" in sys.argv and size > 1), shm
+    if not shm and "--zero-steps" not in sys.argv:
+        check_round_checks(opt._reducer, rank, size)
     report(rank, "hvd_optimizer", "over shared memory" if shm else "")
+
+
+def check_round_checks(reducer: Any, rank: int, size: int) -> None:
+    """One check per round; its one bucket skips the header round while every rank
+    is active, and goes header-checked (stood in for) once rank 0 has joined."""
+    stats = reducer.scheduler.statistics()
+    rounds, together = steps_of(rank) + 1, steps_of(0) + 1
+    assert stats.checks == rounds, (stats, rounds)
+    assert stats.launched == rounds and len(reducer.plan.buckets) == 1, stats
+    assert stats.header_buckets == (rounds - together if size > 1 else 0), (stats, together)
 
 
 def main_hvd() -> None:
