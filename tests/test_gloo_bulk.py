@@ -49,19 +49,39 @@ def test_no_rank_uses_gloo_unless_every_rank_imported_torch() -> None:
               "--no-torch-on-rank0")
 
 
-@pytest.mark.parametrize(("mpi_wall", "gloo_wall", "mpi_cpu", "gloo_cpu", "wins"), [
-    (10.0, 8.5, 10.0, 10.0, True),   # 15% faster: time alone decides
-    (10.0, 9.5, 10.0, 10.0, False),  # 5% faster at the same CPU: not worth a second path
-    (9.0, 9.2, 9.0, 6.5, True),      # the rig's 4 MiB on a bad day: as fast, MPI spinning
-    (10.0, 12.0, 10.0, 7.0, True),   # 20% slower at 70% of the CPU
-    (10.0, 14.0, 10.0, 1.0, False),  # 40% slower (say IPoIB against InfiniBand): MPI
-    (10.0, 10.0, 10.0, 8.0, False),  # as fast at 80% of the CPU: MPI
+@pytest.mark.parametrize(("mpi_alone", "gloo_alone", "mpi_beside", "gloo_beside", "wins"), [
+    (10.0, 8.5, 10.5, 9.0, True),    # faster either way
+    (10.0, 9.5, 10.5, 10.0, False),  # 5% faster beside compute: not worth a second path
+    (7.0, 10.5, 14.9, 12.0, True),   # the rig's 4 MiB: MPI faster alone, its spin no core to spare
+    (10.0, 14.0, 10.5, 14.2, False), # a spare core (or IPoIB against InfiniBand): MPI
+    (10.0, 25.0, 20.0, 15.0, False), # beside compute better, but 2.5x slower alone
+    (10.0, 10.0, 12.0, 11.5, False), # about as fast both ways: MPI
 ])
-def test_gloo_wins_on_time_or_on_cpu_at_little_cost_in_time(
-        mpi_wall: float, gloo_wall: float, mpi_cpu: float, gloo_cpu: float, wins: bool) -> None:
-    """The probe's rule (regression: a wall-time-only rule chose MPI for 4 MiB
-    buckets on the 2-host rig when both took about as long, and MPI's spinning
-    wait thread cost ~85 ms of CPU per MLP step)."""
+def test_gloo_wins_beside_compute_without_losing_much_alone(
+        mpi_alone: float, gloo_alone: float, mpi_beside: float, gloo_beside: float,
+        wins: bool) -> None:
+    """The probe's rule (regression: an idle-machine rule chose MPI for 4 MiB
+    buckets on the 2-host rig, and MPI's spinning wait thread took the core its
+    own backward needed: ~100 ms of CPU per MLP step)."""
     from asynclock.backends.gloo_bulk import _gloo_wins
 
-    assert _gloo_wins(mpi_wall, gloo_wall, mpi_cpu, gloo_cpu) is wins
+    assert _gloo_wins(mpi_alone, gloo_alone, mpi_beside, gloo_beside) is wins
+
+
+def test_the_probe_load_runs_beside_the_call_and_is_waited_for() -> None:
+    """`beside` returns only once both the call and the load are done, and the load
+    is sized from a time (so a slow call meets a proportionate load)."""
+    pytest.importorskip("torch")
+    import time
+
+    from asynclock.backends.gloo_bulk import _Load
+
+    load = _Load(0.02)
+    assert load.chunks >= 1
+    t0 = time.perf_counter()
+    load.beside(lambda: None)
+    alone = time.perf_counter() - t0
+    assert alone > 0.004, alone  # the load ran (20 ms of it nominally; noisy machines)
+    t0 = time.perf_counter()
+    load.beside(lambda: time.sleep(0.1))
+    assert time.perf_counter() - t0 >= 0.1

@@ -20,10 +20,11 @@ if any rank cannot (no torch, an unreachable address), no rank uses gloo.
 Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
 first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
-both ways (3 each, every rank; wall time and process CPU time), takes the
+both ways (3 each, every rank; alone and beside a compute load), takes the
 slowest rank's figures, and uses gloo from the smallest size at which it
-beats MPI by 10%, or is at most 25% slower at under 3/4 of the CPU (not at
-all if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
+beats MPI by 10% while a compute load runs beside the call (as gradient
+buckets run beside backward) and is alone at most twice as slow (not at all
+if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
 `auto` (measured, across hosts only), `measure` (measured, also within a
 node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 `MPIBackend.bulk_choice` says what was chosen and why.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -145,22 +147,25 @@ def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
 
 PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
 PROBE_REPS = 3
-PROBE_MARGIN = 0.9  # gloo wins on time alone when 10% faster...
-CPU_MARGIN, CPU_SLACK = 0.75, 1.25  # ... or at 3/4 of the CPU, if at most 25% slower
+PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
+ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps)
+CHUNK = 128  # the probe's compute load: 128x128 matmuls (~0.1 ms each on one core)
 
 
 def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
-    """Time MPI's and gloo's allreduce at each probe size (wall time and the CPU
-    time of the whole process); the slowest rank's medians decide the smallest
-    size from which gloo is used (None: never).
+    """Time MPI's and gloo's allreduce at each probe size, alone and beside a
+    compute load; the slowest rank's medians decide the smallest size from
+    which gloo is used (None: never).
 
-    CPU counts because bulk allreduces overlap training on the same cores: over
-    TCP, MPI's blocking allreduce spins a core for as long as the wire is busy,
-    gloo's threads mostly wait in the kernel (4 MiB on the 2-host rig at 5 Gbit/s:
-    MPI 12.5 ms wall, 12.3 ms CPU; gloo 8.8-10 ms, 6.7-7.2 ms CPU). In some runs
-    the two took about as long at 4 MiB and a wall-time-only probe chose MPI for
-    the 4 MiB gradient buckets, whose spinning wait thread then cost ~85 ms of CPU
-    per MLP step (139-147 samples/s against 176-180 with gloo, Open MPI, same day).
+    Beside compute, because that is how gradient buckets run: over TCP, MPI's
+    blocking allreduce spins a core for as long as the wire is busy, gloo's
+    threads mostly wait in the kernel. Where the rank has a spare core the spin
+    costs nothing and MPI's often faster wire time wins; where it has none the
+    spin takes the core from the compute it overlaps. An idle-machine probe
+    cannot tell the two apart: on the 2-host rig (hosts sharing 2 cores) it
+    chose MPI for the 4 MiB buckets in some runs (4 MiB: MPI 6.9 ms, gloo
+    10.9 ms), and the spinning wait thread then cost ~100 ms of CPU per MLP
+    step (Open MPI 182-209 samples/s against 240-252 with gloo, same hour).
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
@@ -169,42 +174,83 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     worst = np.empty_like(mine)
     comm.Allreduce(mine, worst, op=MPI.MAX)
     wins = [n for n, row in zip(PROBE_SIZES, worst, strict=True) if _gloo_wins(*row)]
-    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * gw:.1f} ms (cpu {1e3 * gc:.1f}), "
-                        f"MPI {1e3 * mw:.1f} ms (cpu {1e3 * mc:.1f})"
-                        for n, (mw, gw, mc, gc) in zip(PROBE_SIZES, worst, strict=True))
+    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * ga:.1f} ms (beside compute "
+                        f"{1e3 * gb:.1f}), MPI {1e3 * ma:.1f} ms (beside compute {1e3 * mb:.1f})"
+                        for n, (ma, ga, mb, gb) in zip(PROBE_SIZES, worst, strict=True))
     if not wins:
         return None, f"mpi (allreduce {figures})"
     return wins[0], f"gloo from {wins[0] >> 20} MiB (allreduce {figures})"
 
 
-def _gloo_wins(mpi_wall: float, gloo_wall: float, mpi_cpu: float, gloo_cpu: float) -> bool:
-    """10% faster, or no more than 25% slower at under 3/4 of the CPU."""
-    if gloo_wall < PROBE_MARGIN * mpi_wall:
-        return True
-    return gloo_wall <= CPU_SLACK * mpi_wall and gloo_cpu < CPU_MARGIN * mpi_cpu
+def _gloo_wins(mpi_alone: float, gloo_alone: float, mpi_beside: float,
+               gloo_beside: float) -> bool:
+    """10% faster beside compute, and alone no more than twice as slow."""
+    return gloo_beside < PROBE_MARGIN * mpi_beside and gloo_alone <= ALONE_SLACK * mpi_alone
 
 
 def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
-    """[MPI wall, gloo wall, MPI cpu, gloo cpu], medians in seconds per call."""
+    """[MPI alone, gloo alone, MPI beside compute, gloo beside compute]: median
+    seconds per call (beside: until both the call and the load are done). Every
+    rank makes the same calls in the same order; only the loads differ."""
     from mpi4py import MPI
 
     data = np.ones(nbytes // 4, np.float32)
-    mpi = _median_cost(lambda: comm.Allreduce(MPI.IN_PLACE, data))
-    gloo = _median_cost(lambda: group.allreduce(data, ReduceOp.SUM))
-    return [mpi[0], gloo[0], mpi[1], gloo[1]]
+
+    def mpi() -> None:
+        comm.Allreduce(MPI.IN_PLACE, data)
+
+    def gloo() -> None:
+        group.allreduce(data, ReduceOp.SUM)
+
+    mpi_alone, gloo_alone = _median_wall(mpi), _median_wall(gloo)
+    load = _Load(mpi_alone)
+    return [mpi_alone, gloo_alone, _median_wall(lambda: load.beside(mpi)),
+            _median_wall(lambda: load.beside(gloo))]
 
 
-def _median_cost(fn: Any) -> tuple[float, float]:
-    """Median wall time and median process CPU time (every thread: gloo's work is
-    done in its own threads) of `fn()`."""
-    walls, cpus = [], []
+def _median_wall(fn: Any) -> float:
+    walls = []
     for _ in range(PROBE_REPS):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         fn()
         walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    mid = len(walls) // 2
-    return sorted(walls)[mid], sorted(cpus)[mid]
+    return sorted(walls)[len(walls) // 2]
+
+
+class _Load:
+    """About `seconds` of torch compute (the program's intra-op threads), run in a
+    thread beside a collective: what a spinning wait costs the work it overlaps."""
+
+    def __init__(self, seconds: float) -> None:
+        import torch
+
+        self.a = torch.ones(CHUNK, CHUNK)
+        self.chunks = max(1, round(seconds / self._chunk_seconds()))
+
+    def _chunk_seconds(self) -> float:
+        import torch
+
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(self.a, self.a)
+            times.append(time.perf_counter() - t0)
+        return max(min(times), 1e-6)
+
+    def _run(self) -> None:
+        import torch
+
+        for _ in range(self.chunks):
+            torch.mm(self.a, self.a)
+
+    def beside(self, fn: Any) -> None:
+        """Run `fn()` here while the load runs in a thread; return when both are done."""
+        worker = threading.Thread(target=self._run, name="asynclock-probe-load")
+        worker.start()
+        try:
+            fn()
+        finally:
+            worker.join()
 
 
 class GlooGroup:
