@@ -267,7 +267,9 @@ def test_a_failed_check_fails_every_bucket_and_launches_none() -> None:
     err = MismatchError("plans differ")
     scheduler._check[run.number] = Check.PENDING  # as if the check were in flight
     scheduler.ready(run, run.plan.launch[0])
+    assert scheduler.checking(run) and scheduler.statistics().launched == 0
     scheduler._checked(run, 0, err)
+    assert not scheduler.checking(run)
     assert run.errors == [err] * 3 and run.all_done() and lane.seq == 0
     scheduler.ready(run, run.plan.launch[1])
     assert scheduler.statistics().launched == 0 and lane.seq == 0

@@ -271,6 +271,9 @@ class Reducer:
         shared = run.transport.describe() if run.transport is not None else ""
         if shared:
             return f"{text}; {shared}"
+        if self.scheduler.checking(run):
+            return text + ("; the round's plan check is in flight: the other ranks have not "
+                           "reached this round's backward")
         return text + (f"; launched {run.next}/{run.size} buckets here, {stats.in_flight} in "
                        "flight: the other ranks have not joined this allreduce")
 

@@ -261,6 +261,10 @@ class Scheduler:
         run.finish(k, error)
         self._pump()
 
+    def checking(self, run: StepRun) -> bool:
+        """The round's check is in flight (stall reports: no bucket can go yet)."""
+        return self._check.get(run.number) is Check.PENDING
+
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(self._launched, self._completed, self._in_flight,
                                    self._in_flight_bytes, self.window_bytes, len(self._rounds),
