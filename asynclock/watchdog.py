@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import frozen
 from .env import env_float
 from .errors import RankFailedError, StallError
 from .failure import EXIT_RANK_FAILED, EXIT_STALL, hard_exit, write_stderr
@@ -54,6 +55,9 @@ log = logging.getLogger("asynclock.watchdog")
 RUNNING, CLOSING, FAILED = 0, 1, 2
 TAG = 0x4842
 LAG_NOTE_S = 1.0  # an event loop that has not run for this long is worth naming
+# This rank dumps its stacks when its own heartbeat thread stalled for this share of
+# dead_after_s: before the peers declare it dead and the launcher kills it (`frozen`).
+FROZEN_FRACTION = 0.8
 MAX_PENDING_SENDS = 256  # a frozen peer must not make us queue heartbeats for ever
 
 
@@ -232,8 +236,10 @@ class Watchdog:
         while not self._stop.is_set() and self._fatal is None:
             self._wake.clear()
             self._tick()
+            frozen.arm(FROZEN_FRACTION * self.policy.dead_after_s)
             if self._fatal is None:
                 self._wake.wait(self.policy.heartbeat_s)
+        frozen.disarm()
         self._cpu = time.thread_time()
         if self._fatal is not None:
             self._die(*self._fatal)

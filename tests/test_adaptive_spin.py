@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from asynclock.backends.local import LocalBackend
-from asynclock.operation import Lane
+from asynclock.operation import Lane, State
 from asynclock.progress import Engine, ProgressPolicy
 
 US = 1e-6
@@ -49,6 +49,7 @@ class _Op:
     def __init__(self, lane: Lane, after: int, patient: bool = False) -> None:
         self.lane, self.after, self.patient = lane, after, patient
         self.threaded, self.done, self.polls, self.issued_at = False, False, 0, 0.0
+        self.state = State.HEADER  # its header round is in flight
 
     def start(self) -> None:
         return None

@@ -201,6 +201,19 @@ def test_frozen_rank_is_declared_dead(kind: str) -> None:
     assert_no_orphans(job, 2)
 
 
+def test_a_rank_frozen_holding_the_gil_dumps_its_own_stacks() -> None:
+    """A C call that keeps the GIL freezes every thread of rank 1, heartbeats
+    included: before its peer declares it dead (3 s here), its faulthandler
+    timer (re-armed by each heartbeat, 0.8 x 3 s) prints where it is stuck."""
+    job, elapsed = timed("fault_kill.py", 2, "--signal", "GIL", env=FAST)
+    assert job.returncode != 0 and elapsed < DEADLINE_S, job.explain()
+    assert "asynclock[rank 0]: rank 1 is unreachable" in job.output, job.explain()
+    dump = job.output[job.output.find("Timeout (0:00:02"):]
+    assert dump and re.search(r'fault_kill\.py", line \d+ in hold_the_gil', dump), job.explain()
+    assert "asynclock/watchdog.py" in dump, job.explain()  # the heartbeat thread, waiting
+    assert_no_orphans(job, 2)
+
+
 # -- the same under horovodrun (the Horovod backend shares the watchdog) ------------------------
 @functools.cache
 def horovod_missing() -> str:

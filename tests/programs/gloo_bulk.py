@@ -46,6 +46,20 @@ async def check_ops(c: asynclock.Coordinator) -> int:
     return checked + 4
 
 
+async def check_half(c: asynclock.Coordinator) -> int:
+    """fp16 and bf16 (gradient compression's wire types) at 1 MiB: summed 16-bit."""
+    import torch
+
+    for dtype in (torch.float16, torch.bfloat16):
+        got = await c.allreduce(torch.full((2 * N,), 1.5 + c.rank, dtype=dtype))
+        want = sum(1.5 + r for r in range(c.size))
+        assert got.dtype == dtype and torch.equal(got, torch.full_like(got, want)), dtype
+        avg = await c.allreduce(torch.full((2 * N,), 2.0 * (c.rank + 1), dtype=dtype),
+                                asynclock.Average)
+        assert torch.equal(avg, torch.full_like(avg, float(c.size + 1))), (dtype, avg[:3])
+    return 4
+
+
 def import_torch() -> None:
     """gloo is used only by programs that imported torch before start."""
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
@@ -60,8 +74,10 @@ async def main() -> None:
         choice = c.backend.bulk_choice
         assert choice.startswith(tuple(expect.split("|"))), f"{choice!r}, want {expect!r}"
         checked = await check_ops(c)
-        half = await c.allreduce(np.full(N, 1.5, np.float16))  # not gloo's: MPI's ring
-        assert (half == 1.5 * c.size).all()
+        small = await c.allreduce(np.full(N, 1.5, np.float16))  # 0.5 MiB: MPI's ring
+        assert (small == 1.5 * c.size).all()
+        if "--no-torch-on-rank0" not in sys.argv:
+            checked += await check_half(c)
         calls = c.backend.gloo_calls()
         want = checked if choice.startswith("gloo") else 0
         assert calls == want, f"{calls} gloo calls, want {want} ({choice})"
