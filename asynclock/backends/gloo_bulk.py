@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import BFLOAT16, ReduceOp
+from ..ops import ReduceOp
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
@@ -273,31 +273,15 @@ class GlooGroup:
     def allreduce(self, data: Array, op: ReduceOp, send: Array | None = None) -> None:
         """Reduce into `data` (from `send` when given; AVERAGE sums, the caller divides)."""
         import torch
+        import torch.distributed as dist
 
         if send is not None:
             data[...] = send
-        self._reduce(torch.from_numpy(data.reshape(-1)), op)
-
-    def handles_half(self, data: Array) -> bool:
-        """16-bit floats (fp16/bf16 gradient compression): gloo sums them natively."""
-        return data.nbytes >= (self.store.min_bytes or 0) and data.flags.c_contiguous
-
-    def allreduce_half(self, data: Array, code: int) -> None:
-        """Sum raw 16-bit storage of dtype `code` in place, 16-bit on the wire (as the
-        MPI ring does, but blocking in the kernel rather than spinning)."""
-        import torch
-
-        flat = torch.from_numpy(data.reshape(-1))
-        self._reduce(flat.view(torch.bfloat16) if code == BFLOAT16 else flat, ReduceOp.SUM)
-
-    def _reduce(self, tensor: Any, op: ReduceOp) -> None:
-        import torch.distributed as dist
-
         if self.pg is None:
             self.pg = self.store.connect_group(self.prefix)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS(dist)[op]
-        self.pg.allreduce([tensor], opts).wait()
+        self.pg.allreduce([torch.from_numpy(data.reshape(-1))], opts).wait()
         self.calls += 1
 
 

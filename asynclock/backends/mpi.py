@@ -222,11 +222,7 @@ class BulkChannel:
     half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
 
     def iallreduce_half(self, data: Array, code: int) -> Request:
-        """Sum 16-bit floats in place, 16-bit on the wire: gloo's where bulk allreduces
-        go over gloo (`gloo_bulk`), else the MPI ring (see `ring`)."""
-        gloo = self.gloo
-        if gloo is not None and gloo.handles_half(data):
-            return Deferred(lambda: gloo.allreduce_half(data, code))
+        """Sum 16-bit floats in place, 16-bit on the wire (see `ring`)."""
         return Deferred(lambda: ring_allreduce_half(self._c, data, code))
 
     def ibcast(self, buf: Array, root: int) -> Request:
