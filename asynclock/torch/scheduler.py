@@ -127,7 +127,7 @@ class Check(enum.Enum):
     PENDING = "pending"
     PASSED = "passed"  # buckets go without headers
     HEADERS = "headers"  # a rank joined: header-checked buckets, stood in for
-    FAILED = "failed"
+    FAILED = "failed"  # every bucket got the check's error; none launched
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,6 @@ class Scheduler:
         self._launched = self._completed = self._checks = self._header_buckets = 0
         self._pumping = False
         self._check: dict[int, Check] = {}  # by round number, for rounds not yet launched
-        self._check_error: dict[int, BaseException] = {}
 
     def ready(self, run: StepRun, k: int) -> None:
         """Bucket k of `run` is packed on this rank (called on the loop)."""
@@ -188,8 +187,6 @@ class Scheduler:
             return self._issue_check(run)
         if check is Check.PENDING:
             return False
-        if check is Check.FAILED:
-            return self._fail_round(run)
         k = run.plan.launch[run.next]
         nbytes = run.plan.buckets[k].nbytes
         if not run.ready[k] or (self._in_flight and
@@ -219,24 +216,23 @@ class Scheduler:
         return self._check[run.number] is not Check.PENDING
 
     def _checked(self, run: StepRun, _least: int, error: BaseException | None) -> None:
-        """The check's verdict, the same on every rank."""
+        """The check's verdict, the same on every rank. The round is first in line
+        (its check was issued there), so a failed one ends here and the pump moves on."""
         if isinstance(error, JoinedError):
             self._check[run.number] = Check.HEADERS
         elif error is not None:
             self._check[run.number] = Check.FAILED
-            self._check_error[run.number] = error
+            self._fail_round(run, error)
         else:
             self._check[run.number] = Check.PASSED
         self._pump()
 
-    def _fail_round(self, run: StepRun) -> bool:
+    def _fail_round(self, run: StepRun, error: BaseException) -> None:
         """The check failed on every rank: every bucket of the round gets its error
         and none is launched."""
-        error = self._check_error.pop(run.number)
         for n in range(run.next, run.size):
             run.finish(run.plan.launch[n], error)
         run.next = run.size
-        return True
 
     # -- buckets ---------------------------------------------------------------------
     def _launch(self, run: StepRun, k: int, nbytes: int) -> None:
