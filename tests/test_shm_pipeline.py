@@ -21,6 +21,7 @@ import torch
 
 from asynclock.errors import BackendError
 from asynclock.torch.buckets import Caps, ParamSpec, build_plan
+from asynclock.torch.shm_chunks import HandedGrads
 from asynclock.torch.shm_pipeline import PACKED, RoundJob, ShmPipeline
 
 TIMEOUT = 10.0
@@ -42,7 +43,8 @@ class Node:
     """Two pipelines over shared buffers; results arrive in the pipeline threads."""
 
     def __init__(self, numels: tuple[int, ...] = (6, 5, 7), post: float = 0.5,
-                 failure: Callable[[int], BaseException | None] = lambda r: None) -> None:
+                 failure: Callable[[int], BaseException | None] = lambda r: None,
+                 handed: bool = False) -> None:
         params = [ParamSpec(k, "float32", 4) for k in numels]
         self.plan = build_plan(list(range(len(numels))), params,
                                Caps(bucket_bytes=28, first_bucket_bytes=28))
@@ -53,9 +55,10 @@ class Node:
         self.buffers = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)]
         self.calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self.released = [threading.Event() for _ in range(2)]
+        self.handed = [HandedGrads(self.plan) if handed else None for _ in range(2)]
         self.pipes = [ShmPipeline(FakeArena(r, counters, bells), self.plan,
                                   {"float32": self.buffers}, post, self.calls.put,
-                                  lambda r=r: failure(r)) for r in range(2)]
+                                  lambda r=r: failure(r), self.handed[r]) for r in range(2)]
         self.gathered: list[list[int]] = [[], []]
         self.failed: list[BaseException | None] = [None, None]
 
@@ -104,6 +107,33 @@ def test_a_round_sums_every_bucket_scaled_on_both_ranks(node: Node) -> None:
         assert torch.equal(node.buffers[r], expected), r
         assert node.pipes[r].statistics().rounds == 1
     assert node.failed == [None, None]
+
+
+def test_handed_gradients_are_reduced_without_being_copied_first() -> None:
+    """Hooks hand autograd's tensors over (`HandedGrads`): each pipeline copies only
+    what its peer reads and takes its own chunk from the tensor. The buffers start
+    as NaN, so any element read from a buffer before it was written shows; an
+    averaging scale of 1/2 gives the bits of scaling first."""
+    node = Node(post=1.0, handed=True)
+    try:
+        numels = (6, 5, 7)
+        grads = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * r + i))
+                  for i, n in enumerate(numels)] for r in range(2)]
+        for r in range(2):
+            node.buffers[r].fill_(float("nan"))
+            for i, g in enumerate(grads[r]):
+                node.handed[r].hand(i, g, 0.5)  # type: ignore[union-attr]
+        flat = [torch.cat(gs) * 0.5 for gs in grads]
+        expected = flat[0] + flat[1]
+        for r in range(2):
+            node.pipes[r].submit(node.job(r, 0, 3))
+        node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
+        assert all(e.wait(TIMEOUT) for e in node.released)
+        for r in range(2):
+            assert torch.equal(node.buffers[r], expected), r
+            assert node.handed[r].by_bucket == [[], [], []]  # type: ignore[union-attr]
+    finally:
+        node.close()
 
 
 def test_counters_carry_over_into_the_next_round(node: Node) -> None:

@@ -160,6 +160,8 @@ class Reducer:
 
     def _new_run(self) -> StepRun:
         self.rounds += 1
+        if self.storage.handed is not None:
+            self.storage.handed.clear()  # nothing of an earlier (maybe failed) round
         return StepRun(self.rounds, self.generation, self.plan, self.storage, self.passes,
                        len(self.registry), self.transport)
 
@@ -356,7 +358,7 @@ class Reducer:
                                     completed + self.transport.completed)
         self.transport = None if arena is None else ShmTransport(
             self.coord.engine, self.grad_lane, arena, plan, storage.peers, self.post,
-            self.link.call_soon)
+            self.link.call_soon, storage.handed)
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1

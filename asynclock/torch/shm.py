@@ -37,7 +37,8 @@ from ..tensors import as_buffer
 from .buckets import Plan
 from .run import StepRun
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
-from .shm_pipeline import RoundJob, ShmPipeline, chunk
+from .shm_chunks import HandedGrads, chunk
+from .shm_pipeline import RoundJob, ShmPipeline
 
 ALIGN = 64
 __all__ = ["SharedArena", "ShmTransport", "chunk", "eligible"]
@@ -123,11 +124,13 @@ class ShmTransport:
 
     def __init__(self, engine: Engine, lane: Lane, arena: SharedArena | None, plan: Plan,
                  peers: dict[str, list[torch.Tensor]], post: float,
-                 call_soon: Callable[[Callable[[], object]], None]) -> None:
+                 call_soon: Callable[[Callable[[], object]], None],
+                 handed: HandedGrads | None = None) -> None:
         self.engine, self.lane, self.arena, self.plan = engine, lane, arena, plan
         self.peers, self.post, self._call_soon = peers, post, call_soon
+        self.handed = handed
         self.pipeline = None if arena is None else ShmPipeline(
-            arena, plan, peers, post, call_soon, lambda: engine.failure)
+            arena, plan, peers, post, call_soon, lambda: engine.failure, handed)
         if self.pipeline is not None:
             engine.watched.append(self.pipeline.stalled)
         self._rounds: dict[int, _Round] = {}
@@ -257,6 +260,8 @@ class ShmTransport:
         while rnd.over_mpi < rnd.launched:
             k = rnd.order[rnd.over_mpi]
             b = self.plan.buckets[k]
+            if self.handed is not None:
+                self.handed.flush(b, self.peers[b.group][me])
             view = self.peers[b.group][me][b.offset: b.offset + b.numel]
             done = partial(self._reduced_over_mpi, rnd, k, view)
             ops.append(bucket_op(self.lane, as_buffer(view, writable=True),

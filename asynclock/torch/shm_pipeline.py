@@ -44,6 +44,7 @@ from ..progress import InflightOp
 from ..threadsafe import name_os_thread
 from . import futex
 from .buckets import Bucket, Plan
+from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
 
 PACKED, REDUCED, GATHERED, ABORTED, STARTED = range(5)
 _CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
@@ -78,8 +79,10 @@ class ShmPipeline:
 
     def __init__(self, arena: Any, plan: Plan, peers: dict[str, list[torch.Tensor]],
                  post: float, call_soon: Callable[[Callable[[], object]], None],
-                 failure: Callable[[], BaseException | None]) -> None:
+                 failure: Callable[[], BaseException | None],
+                 handed: HandedGrads | None = None) -> None:
         self.arena, self.plan, self.peers, self.post = arena, plan, peers, post
+        self.handed = handed  # gradients hooks did not copy (see shm_chunks)
         self.me, self.n = arena.rank, arena.size
         self._call_soon, self._failure = call_soon, failure
         self._jobs: deque[RoundJob] = deque()
@@ -227,6 +230,7 @@ class ShmPipeline:
         base, b = job.index * len(job.order), len(job.order)
         launched = job.launched  # read once: the loop raises it concurrently
         if launched > job.published:
+            self._fill_positions(job, range(job.published, launched))
             self._publish(PACKED, base + launched)
             job.published = launched
         packed = self._least(PACKED, base, b)
@@ -257,6 +261,13 @@ class ShmPipeline:
         for q in range(self.n):
             if q != self.me:
                 self.ring(q, kind)
+
+    def _fill_positions(self, job: RoundJob, positions: range) -> None:
+        """Copy what peers read of these buckets into my buffer, before I say packed."""
+        if self.handed is not None:
+            for p in positions:
+                b = self.plan.buckets[job.order[p]]
+                self.handed.fill(b, self.peers[b.group][self.me], self.me, self.n)
 
     def _reduce_positions(self, job: RoundJob, positions: range) -> None:
         for p in positions:
@@ -293,29 +304,29 @@ class ShmPipeline:
         """Fail the round here and tell peers (they fail instead of waiting for us)."""
         self.current = None
         self._jobs.clear()
+        if self.handed is not None:
+            self.handed.clear()
         if not int(self.arena.counters[self.me][ABORTED]):
             self._publish(ABORTED, 1)
         job.on_failed(exc)
 
     # -- arithmetic --------------------------------------------------------------
     def _reduce(self, b: Bucket) -> None:
-        """Sum my chunk over ranks, in rank order whoever owns the chunk, so the
-        bits do not depend on the layout (IEEE addition commutes, it does not
-        associate)."""
+        """Sum my chunk over ranks (`reduce_chunk`), run by run: my own part of a
+        handed-over gradient is read where autograd left it."""
         lo, hi = chunk(b, self.me, self.n)
-        parts = [buf[lo:hi] for buf in self.peers[b.group]]
-        acc = parts[self.me]
-        if self.me < 2:
-            acc.add_(parts[1 - self.me])  # x0 + x1, the same bits as x1 + x0
-        else:
-            head = parts[0] + parts[1]
-            for q in range(2, self.me):
-                head.add_(parts[q])
-            torch.add(head, acc, out=acc)
-        for q in range(max(2, self.me + 1), self.n):
-            acc.add_(parts[q])
+        bufs = self.peers[b.group]
+        spans = self.handed.spans(b, lo, hi) if self.handed is not None else []
+        for run in spans or [Span(lo, hi, None)]:
+            h = run.handed
+            at = 0 if h is None else h.segment.offset
+            mine = None if h is None else h.source[run.lo - at: run.hi - at]
+            reduce_chunk([buf[run.lo: run.hi] for buf in bufs], self.me, mine,
+                         1.0 if h is None else h.scale)
         if self.post != 1.0:
-            acc.mul_(self.post)
+            bufs[self.me][lo:hi].mul_(self.post)
+        if self.handed is not None:
+            self.handed.drop(b.index)
 
     def _gather(self, b: Bucket) -> None:
         bufs = self.peers[b.group]
@@ -327,10 +338,3 @@ class ShmPipeline:
 
 def _ignore(_started: int) -> None:
     return None
-
-
-def chunk(bucket: Bucket, r: int, n: int) -> tuple[int, int]:
-    """Rank r's share [lo, hi) of the bucket, in group-buffer elements."""
-    base, extra = divmod(bucket.numel, n)
-    lo = bucket.offset + r * base + min(r, extra)
-    return lo, lo + base + (1 if r < extra else 0)

@@ -20,6 +20,7 @@ import torch
 
 from .buckets import Bucket, Plan
 from .registry import ParamRegistry
+from .shm_chunks import HandedGrads
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
@@ -28,6 +29,12 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _handable(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """A gradient the shared-memory pipeline can read as it is (see shm_chunks)."""
+    return (grad.is_contiguous() and grad.shape == view.shape and grad.dtype == view.dtype
+            and grad.device == view.device)
 
 
 def _nothing() -> None:
@@ -44,6 +51,7 @@ class GradStorage:
     def __init__(self, plan: Plan, registry: ParamRegistry, arena: Any = None) -> None:
         self.plan, self.registry = plan, registry
         self.peers: dict[str, list[torch.Tensor]] = {}
+        self.handed = None if arena is None else HandedGrads(plan)
         if arena is not None:
             self.peers = {g: arena.buffers(g, _DTYPES[g], n) for g, n in plan.group_numel.items()}
             self.flat = {g: bufs[arena.rank] for g, bufs in self.peers.items()}
@@ -99,7 +107,9 @@ class GradStorage:
                 view.mul_(scale)
             return
         assert p.grad is not None
-        if scale != 1.0:
+        if self.handed is not None and _handable(p.grad, view):
+            self.handed.hand(i, p.grad, scale)  # the shared-memory pipeline copies it
+        elif scale != 1.0:
             torch.mul(p.grad, scale, out=view)
         else:
             view.copy_(p.grad)
