@@ -24,3 +24,24 @@ def test_collectives_benchmark_writes_its_figures(tmp_path: Path) -> None:
         assert {"mpi4py", "asynclock"} <= set(mine), (nbytes, rows)
         assert mine["mpi4py"]["ratio_to_raw"] == 1.0
         assert all(r["seconds_median"] > 0 for r in mine.values()), rows
+
+
+def test_training_benchmark_runs_horovod_only_in_its_own_windows(tmp_path: Path) -> None:
+    """bench/train.py shuts Horovod down between its windows (its idle background
+    thread spins on the cores the other methods train on) and starts it again for
+    each of them: the job must get through several such cycles with Horovod's
+    DistributedOptimizer and a gated asynclock method side by side, and write
+    a figure for each method."""
+    from mpijob import horovod_status
+
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "train.json"
+    job = run_job("../../bench/train.py", 2, "--models", "mlp",
+                  "--methods", "compute,horovod,asynclock-gated", "--windows", "3",
+                  "--steps", "2", "--warmup", "1", "--json", str(out), timeout=240, kind=kind)
+    assert job.returncode == 0, job.explain()
+    figures = json.loads(out.read_text())["samples_per_s"]["mlp"]
+    assert set(figures) == {"compute", "horovod", "asynclock-gated"}, figures
+    assert all(v > 0 for v in figures.values()), figures
