@@ -9,6 +9,10 @@ values are cast back into `.grad` per bucket.
 
 Scaling is fused into the pack copy: averaging multiplies by 1/size (or
 1/predivide) while copying, so the reduction itself is a plain sum.
+
+In a shared window the hook copies nothing: it hands autograd's tensor to
+`HandedGrads` and points `.grad` at the view; the pipeline thread copies
+only what peers read and sums its own chunk from the tensor (`shm_chunks`).
 """
 
 from __future__ import annotations
