@@ -24,7 +24,7 @@ import torch
 
 from .buckets import Bucket, Plan
 from .registry import ParamRegistry
-from .shm_chunks import HandedGrads
+from .shm_chunks import HandedGrads, scaled_copy
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
@@ -113,10 +113,8 @@ class GradStorage:
         assert p.grad is not None
         if self.handed is not None and _handable(p.grad, view):
             self.handed.hand(i, p.grad, scale)  # the shared-memory pipeline copies it
-        elif scale != 1.0:
-            torch.mul(p.grad, scale, out=view)
         else:
-            view.copy_(p.grad)
+            scaled_copy(p.grad, scale, view)
         p.grad = view
 
     def _zero(self, i: int, p: torch.Tensor) -> None:
