@@ -35,6 +35,21 @@ def test_join_horovod_api(nranks: int) -> None:
     assert job.ok_lines("hvd_optimizer") == set(range(nranks)), job.explain()
 
 
+@pytest.mark.horovod
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_join_horovod_api_on_the_horovod_backend(nranks: int) -> None:
+    """The same on Horovod's transport, where checked rounds send their buckets as
+    Horovod groups of handed gradients and rounds a joined rank stands in for first
+    settle them into the bucket (`asynclock.torch.grouped`)."""
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    job = run_job("join.py", nranks, "--hvd", timeout=180, kind=kind,
+                  env={"ASYNCLOCK_BACKEND": "horovod"})
+    assert_all_ok(job, nranks)
+    assert job.ok_lines("hvd_optimizer") == set(range(nranks)), job.explain()
+
+
 def test_join_with_shared_memory_gradient_rounds() -> None:
     """Shared-memory buckets need every rank's own data: once a rank joins, each round's
     first stage is refused on every rank and its buckets go over MPI, stood in for."""

@@ -77,6 +77,12 @@ def test_params_identical_after_20_steps(nranks: int, transport: str, backend: s
 
 
 @grads_cases
+def test_gradients_handed_on_some_ranks_only(nranks: int, transport: str, backend: str) -> None:
+    grouped = "yes" if backend == "horovod" else "no"  # shm and MPI never use Horovod groups
+    grads(nranks, transport, backend, "handed_some_ranks", f"grouped_{grouped}")
+
+
+@grads_cases
 def test_unused_and_frozen_parameters(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "unused_frozen")
 

@@ -46,6 +46,7 @@ Launch = Callable[[Any, str], int]  # (horovod.torch, op name) -> handle
 # dtypes Horovod's CPU allreduce/reducescatter accept; smaller ints go as int64.
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
+_PAUSE_SHARE = 0.1  # a wait sleeps at most this share of its time so far between polls
 _instances = itertools.count()  # backends are made in the same order on every rank
 _module: Any = None
 
@@ -141,7 +142,7 @@ class HorovodRequest:
         pause, start, poll = _MIN_PAUSE, time.perf_counter(), _hvd().poll
         while not self.done and not poll(self.handle):
             time.sleep(pause)
-            pause = min(_MAX_PAUSE, max(_MIN_PAUSE, 0.02 * (time.perf_counter() - start)))
+            pause = min(_MAX_PAUSE, max(_MIN_PAUSE, _PAUSE_SHARE * (time.perf_counter() - start)))
         if not self.done:
             self._complete()
 
@@ -199,6 +200,18 @@ class HorovodChannel:
         finish = None if work is recv else (lambda _: np.copyto(recv, work, casting="unsafe"))
         return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
             t, name=n, op=_hvd_op(op)), finish)
+
+    def iallreduce_grouped(self, inputs: list[Any], outputs: list[Any],
+                           prescale: float) -> Request:
+        """Sum `inputs` (torch tensors) into `outputs`, scaled by `prescale` first, as one
+        Horovod group: Horovod copies them into its fusion buffer and back out, so a
+        gradient bucket travels without asynclock copying it first (`torch.grouped`).
+        Every rank passes the same number of tensors, of the same sizes, in one order."""
+        def launch(h: Any, name: str) -> int:
+            return int(h.mpi_ops._grouped_allreduce_async(
+                inputs, outputs, name, h.Sum, prescale, 1.0, h.global_process_set))
+
+        return self._start("d", "grouped allreduce", launch)
 
     half_codes = frozenset({DTYPE_CODES["float16"]})  # Horovod sums float16 itself
 

@@ -137,7 +137,7 @@ class Reducer:
         self.specs = registry.specs(options.wire_dtype)
         self.generation, self.rounds, self.passes = 0, 0, options.passes
         self.plan = self._plan(list(reversed(range(len(registry)))), None)
-        self.storage = GradStorage(self.plan, registry)
+        self.storage = GradStorage(self.plan, registry, grouped=self._horovod_groups())
         self.scheduler = Scheduler(coord.engine, lane, options.window_bytes)
         self.bucketer = Bucketer(registry, self.storage, self._new_run, self._notify)
         self.bucketer.scale = self.pre
@@ -160,8 +160,11 @@ class Reducer:
 
     def _new_run(self) -> StepRun:
         self.rounds += 1
-        if self.storage.handed is not None:
-            self.storage.handed.clear()  # nothing of an earlier (maybe failed) round
+        handed = self.storage.handed
+        if handed is not None and self.storage.grouped:
+            self.storage.handed = handed.fresh()  # the last round's may still launch
+        elif handed is not None:
+            handed.clear()  # nothing of an earlier (maybe failed) round
         return StepRun(self.rounds, self.generation, self.plan, self.storage, self.passes,
                        len(self.registry), self.transport)
 
@@ -348,7 +351,7 @@ class Reducer:
         # every rank reaches this point in the same order of the lane's collectives
         comm = getattr(self.grad_lane.transport, "data", None)
         arena = SharedArena(comm, self._group_bytes(plan)) if shm else None
-        storage = GradStorage(plan, self.registry, arena)
+        storage = GradStorage(plan, self.registry, arena, arena is None and self._horovod_groups())
         storage.adopt()
         storage.writable = self._writable
         if self.transport is not None:
@@ -362,6 +365,10 @@ class Reducer:
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1
+
+    def _horovod_groups(self) -> bool:
+        """The lane's transport takes buckets as groups of handed tensors (`grouped`)."""
+        return hasattr(self.grad_lane.transport, "iallreduce_grouped")
 
     def _group_bytes(self, plan: Plan) -> dict[str, int]:
         size = {s.group: s.itemsize for s in self.specs}

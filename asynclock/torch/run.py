@@ -28,6 +28,7 @@ class StepRun:
                  passes: int, n_params: int, transport: Any = None) -> None:
         self.number, self.generation = number, generation
         self.plan, self.storage = plan, storage
+        self.handed = storage.handed  # this round's handed gradients (`grouped`)
         self.transport = transport  # None: one allreduce per bucket; else shared memory
         n = len(plan.buckets)
         # thread side

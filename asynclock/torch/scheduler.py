@@ -39,10 +39,11 @@ import numpy as np
 from ..collective_ops import AllreduceOp
 from ..errors import BackendError, JoinedError
 from ..header import EVERY_RANK, Call
-from ..operation import Lane, State
+from ..operation import Lane, Stage, State
 from ..ops import DTYPE_CODES, Kind, ReduceOp
 from ..progress import Engine
 from ..tensors import Buffer, as_buffer
+from . import grouped
 from .buckets import Plan
 from .run import StepRun
 
@@ -51,9 +52,14 @@ def bucket_op(lane: Lane, buf: Buffer, name: str, on_done: Callable[[BucketOp], 
               checked: bool = False) -> BucketOp:
     """An in-place sum of `buf` on `lane`, next in the lane's order (not yet submitted);
     `checked`: its round passed its `RoundCheck`, so it skips the header round."""
-    call = Call(Kind.ALLREDUCE, lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
+    return (CheckedBucketOp if checked else BucketOp)(lane, bucket_call(lane, buf, name), buf,
+                                                      on_done)
+
+
+def bucket_call(lane: Lane, buf: Buffer, name: str) -> Call:
+    """The next call on `lane`: an in-place sum of `buf`."""
+    return Call(Kind.ALLREDUCE, lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
                 shape=buf.shape, nbytes=buf.array.nbytes, name=name)
-    return (CheckedBucketOp if checked else BucketOp)(lane, call, buf, on_done)
 
 
 class BucketOp(AllreduceOp):
@@ -84,6 +90,20 @@ class CheckedBucketOp(BucketOp):
         self.stages.extend(self.data_stages())
         self.state = State.READY
         self.lane.queue.append(self)
+
+
+class GroupedBucketOp(CheckedBucketOp):
+    """A checked bucket whose data stage hands Horovod the gradients themselves
+    (`grouped`): one tensor in and one slice of the bucket out per segment."""
+
+    def __init__(self, lane: Lane, call: Call, buf: Buffer, on_done: Callable[[BucketOp], None],
+                 inputs: list[Any], outputs: list[Any], prescale: float) -> None:
+        super().__init__(lane, call, buf, on_done)
+        self.inputs, self.outputs, self.prescale = inputs, outputs, prescale
+
+    def data_stages(self) -> list[Stage]:
+        self.stage_bytes = self.buf.array.nbytes
+        return [lambda t: t.iallreduce_grouped(self.inputs, self.outputs, self.prescale)]
 
 
 class RoundCheck(AllreduceOp):
@@ -142,6 +162,7 @@ class SchedulerStatistics:
     queued_rounds: int
     checks: int  # round checks issued
     header_buckets: int  # buckets launched with a header round of their own
+    grouped_buckets: int  # buckets Horovod summed from handed gradients (`grouped`)
 
 
 class Scheduler:
@@ -154,6 +175,7 @@ class Scheduler:
         self._in_flight_bytes = 0
         self._in_flight = 0
         self._launched = self._completed = self._checks = self._header_buckets = 0
+        self._grouped = 0  # buckets that went as Horovod groups of handed gradients
         self._pumping = False
         self._check: dict[int, Check] = {}  # by round number, for rounds not yet launched
 
@@ -244,11 +266,27 @@ class Scheduler:
         checked = self._check.get(run.number) is Check.PASSED
         self._header_buckets += not checked
         try:
-            buf = as_buffer(run.storage.comm[k], writable=True)
-            self.engine.submit(bucket_op(self.lane, buf, f"grad.g{run.generation}.b{k}", done,
-                                         checked))
+            self.engine.submit(self._bucket_op(run, k, done, checked))
         except Exception as exc:  # the transport refused: this bucket fails, ranks stay in step
             self._finished(run, k, nbytes, BackendError(f"gradient bucket {k}: {exc}"))
+
+    def _bucket_op(self, run: StepRun, k: int, done: Callable[[BucketOp], None],
+                   checked: bool) -> BucketOp:
+        """Bucket k's allreduce; a Horovod group of handed gradients where it can be."""
+        buf = as_buffer(run.storage.comm[k], writable=True)
+        name = f"grad.g{run.generation}.b{k}"
+        if run.handed is None or not run.storage.grouped_bucket(k):
+            return bucket_op(self.lane, buf, name, done, checked)
+        b = run.plan.buckets[k]
+        flat = run.storage.flat[b.group]
+        if not checked:  # a joined rank stands in: a plain bucket, like its own
+            grouped.settle(run.handed, b, flat)
+            return bucket_op(self.lane, buf, name, done)
+        self._grouped += 1
+        inputs, outputs = grouped.entries(run.handed, b, flat)
+        run.handed.drop(k)  # the group holds the tensors now
+        return GroupedBucketOp(self.lane, bucket_call(self.lane, buf, name), buf, done, inputs,
+                               outputs, run.handed.scale)
 
     def _finished(self, run: StepRun, k: int, nbytes: int, error: BaseException | None) -> None:
         self._in_flight_bytes -= nbytes
@@ -264,4 +302,4 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(self._launched, self._completed, self._in_flight,
                                    self._in_flight_bytes, self.window_bytes, len(self._rounds),
-                                   self._checks, self._header_buckets)
+                                   self._checks, self._header_buckets, self._grouped)

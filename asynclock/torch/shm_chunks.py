@@ -71,7 +71,16 @@ class HandedGrads:
         self.plan = plan
         self._segments = {(s.param, b.index): s for b in plan.buckets for s in b.segments}
         self.by_bucket: list[list[Handed]] = []
+        self.scale = 1.0  # the round's pack scale (`grouped`: Horovod applies it)
         self.clear()
+
+    def fresh(self) -> HandedGrads:
+        """An empty copy for the next round, while buckets of this one may still wait
+        for their launch (Horovod groups read the lists at launch)."""
+        new = HandedGrads.__new__(HandedGrads)
+        new.plan, new._segments, new.scale = self.plan, self._segments, self.scale
+        new.clear()
+        return new
 
     def clear(self) -> None:
         self.by_bucket = [[] for _ in self.plan.buckets]

@@ -13,6 +13,8 @@ Scaling is fused into the pack copy: averaging multiplies by 1/size (or
 In a shared window the hook copies nothing: it hands autograd's tensor to
 `HandedGrads` and points `.grad` at the view; the pipeline thread copies
 only what peers read and sums its own chunk from the tensor (`shm_chunks`).
+On Horovod's transport (`grouped`) the hook hands it over too and Horovod
+copies it, scaling on the way; the buffer then holds unscaled values.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from .buckets import Bucket, Plan
+from .grouped import GROUPED_DTYPES
 from .registry import ParamRegistry
 from .shm_chunks import HandedGrads, scaled_copy
 
@@ -45,6 +48,14 @@ def _nothing() -> None:
     return None
 
 
+def _groupable(group: str, storage: GradStorage) -> bool:
+    """A group Horovod can sum as handed tensors: a float dtype every parameter in it
+    has itself (no compression cast)."""
+    params = {s.param for b in storage.plan.buckets if b.group == group for s in b.segments}
+    return (storage.flat[group].dtype in GROUPED_DTYPES
+            and all(storage.direct[i] for i in params))
+
+
 class GradStorage:
     """Buffers and views for one plan; in a shared window when `arena` is given.
 
@@ -52,10 +63,11 @@ class GradStorage:
     other ranks may still be reading the previous round from them.
     """
 
-    def __init__(self, plan: Plan, registry: ParamRegistry, arena: Any = None) -> None:
+    def __init__(self, plan: Plan, registry: ParamRegistry, arena: Any = None,
+                 grouped: bool = False) -> None:
         self.plan, self.registry = plan, registry
         self.peers: dict[str, list[torch.Tensor]] = {}
-        self.handed = None if arena is None else HandedGrads(plan)
+        self.handed = None if arena is None and not grouped else HandedGrads(plan)
         if arena is not None:
             self.peers = {g: arena.buffers(g, _DTYPES[g], n) for g, n in plan.group_numel.items()}
             self.flat = {g: bufs[arena.rank] for g, bufs in self.peers.items()}
@@ -67,11 +79,19 @@ class GradStorage:
         self.comm = [self.flat[b.group][b.offset: b.offset + b.numel] for b in plan.buckets]
         self.region: dict[int, torch.Tensor] = {}
         self.direct: dict[int, bool] = {}
+        self.group_of: dict[int, str] = {}
         for i, k in ((i, ks[0]) for i, ks in plan.param_buckets.items()):
             p, group = registry.params[i], plan.buckets[k].group
             off = plan.param_offset[i]
             self.region[i] = self.flat[group][off: off + p.numel()]
             self.direct[i] = p.dtype == self.flat[group].dtype
+            self.group_of[i] = group
+        self.grouped = {g for g in self.flat if grouped and _groupable(g, self)}
+        self.hands = set(self.flat) if arena is not None else self.grouped  # handed groups
+
+    def grouped_bucket(self, k: int) -> bool:
+        """Bucket k goes to Horovod as a group of handed tensors (see `grouped`)."""
+        return self.plan.buckets[k].group in self.grouped
 
     def view(self, i: int) -> torch.Tensor:
         return self.region[i].view(self.registry.params[i].shape)
@@ -94,6 +114,8 @@ class GradStorage:
             return
         self.writable()
         p = self.registry.params[i]
+        if self.handed is not None:
+            self.handed.scale = scale
         if p.grad is None:
             self._zero(i, p)
             return
@@ -105,16 +127,17 @@ class GradStorage:
         torch.mul(p.grad.view(-1), scale, out=self.region[i])
 
     def _pack_direct(self, i: int, p: torch.Tensor, scale: float) -> None:
-        view = self.view(i)
+        view, group = self.view(i), self.group_of[i]
+        scale_here = 1.0 if group in self.grouped else scale  # Horovod scales those
         if _same(p.grad, view):
-            if scale != 1.0:
-                view.mul_(scale)
+            if scale_here != 1.0:
+                view.mul_(scale_here)
             return
         assert p.grad is not None
-        if self.handed is not None and _handable(p.grad, view):
-            self.handed.hand(i, p.grad, scale)  # the shared-memory pipeline copies it
+        if self.handed is not None and group in self.hands and _handable(p.grad, view):
+            self.handed.hand(i, p.grad, scale)  # the shm pipeline or Horovod copies it
         else:
-            scaled_copy(p.grad, scale, view)
+            scaled_copy(p.grad, scale_here, view)
         p.grad = view
 
     def _zero(self, i: int, p: torch.Tensor) -> None:

@@ -122,6 +122,29 @@ def check_identical_after_20_steps() -> None:
     report(hvd.rank(), f"transport_{transport}")
 
 
+def check_handed_on_some_ranks_only() -> None:
+    """Rank 0 zeroes in place, so from step 1 its gradients accumulate in the bucket
+    buffers; the other ranks zero to None and hand autograd's tensors over (Horovod
+    groups, shared memory). Every rank must still issue the same collectives and
+    get the global-batch gradients. Horovod's transport sends its buckets as groups."""
+    model = mlp(seed=6)
+    opt = sgd(model)
+    for step in range(3):
+        loss = local(30 + step)
+        want = reference_grads(model, hvd.size(), loss)
+        opt.zero_grad(set_to_none=hvd.rank() != 0)
+        loss(model).backward()
+        opt.synchronize()
+        for (name, p), w in zip(model.named_parameters(), want, strict=True):
+            assert_close(p.grad, w, f"handed on some ranks, step {step} {name}")
+        with opt.skip_synchronize():
+            opt.step()
+    assert_same_on_all_ranks(model, gather, "handed on some ranks")
+    grouped = opt.reducer.scheduler.statistics().grouped_buckets
+    report(hvd.rank(), "handed_some_ranks")
+    report(hvd.rank(), f"grouped_{'yes' if grouped else 'no'}")
+
+
 class Partial(torch.nn.Module):
     """Frozen layer, a branch only rank 0 uses, and a layer nobody uses."""
 
@@ -380,6 +403,7 @@ def main() -> None:
     check_groups()
     check_identical_after_20_steps()
     check_unused_and_frozen()
+    check_handed_on_some_ranks_only()
     check_accumulation()
     check_compression()
     check_predivide_and_sum()
