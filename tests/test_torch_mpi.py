@@ -52,7 +52,8 @@ def assert_labels(j: Job, nranks: int, *labels: str) -> None:
 
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
 grads_cases = cases("backend, nranks, transport", [
-    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 2, "allreduce")])
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 2, "allreduce"),
+    ("horovod", 3, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
@@ -131,7 +132,7 @@ def test_mismatches_raise_same_error_on_every_rank(nranks: int, transport: str,
 # -- async API (torch_async.py) --------------------------------------------------------
 async_cases = cases("backend, nranks, loop, transport", [
     ("mpi", 2, "asyncio", "shm"), ("mpi", 3, "trio", "allreduce"),
-    ("horovod", 2, "asyncio", "allreduce")])
+    ("horovod", 2, "asyncio", "allreduce"), ("horovod", 3, "trio", "allreduce")])
 
 
 def async_labels(nranks: int, loop: str, transport: str, backend: str, *labels: str) -> None:
