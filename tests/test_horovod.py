@@ -27,7 +27,7 @@ from mpijob import (
 )
 
 from asynclock.backends.horovod import _row_width, _split
-from asynclock.backends.mailbox import AGREE, Mailbox
+from asynclock.backends.mailbox import AGREE, HEADERS, Mailbox
 from asynclock.errors import BackendError
 
 BACKEND_LABELS = ["widened", "cancel_detaches", "mismatch_poll", "mismatch_wait", "alive",
@@ -144,6 +144,33 @@ def test_mailbox_allgather_rounds_match_by_order_not_by_polling_order() -> None:
             b.close()
 
 
+def test_mailbox_keeps_a_round_that_arrives_before_its_channel_opens() -> None:
+    """Regression: a peer that opens a channel first (a second DistributedOptimizer's
+    gradient lane, made on every rank but not at the same moment) sends its first
+    header round before this rank has the channel. The frame used to land in a
+    point-to-point inbox, and the round hung (`horovodrun --gloo`, ~half the runs)."""
+    boxes = _mesh(2)
+    try:
+        rows = [np.zeros((2, 1), np.int64) for _ in boxes]
+        early = boxes[1].port(5).iallgather(np.array([11], np.int64), rows[1])
+        for _ in range(20_000):  # rank 0 drains the frame while it has no channel 5 yet
+            boxes[0].pump()
+            if boxes[0].gathers.get(4 * 5 + HEADERS) is not None:
+                break
+        assert not boxes[0].inboxes.get(4 * 5 + HEADERS), "header frame taken for a message"
+        late = boxes[0].port(5).iallgather(np.array([10], np.int64), rows[0])
+        pending = [early, late]
+        for _ in range(20_000):
+            pending = [req for req in pending if not req.Test()]
+            if not pending:
+                break
+        assert not pending, "the round that arrived early never completed"
+        assert [r.ravel().tolist() for r in rows] == [[10, 11], [10, 11]], rows
+    finally:
+        for b in boxes:
+            b.close()
+
+
 def test_mailbox_reports_a_closed_peer() -> None:
     boxes = _mesh(2)
     try:
@@ -206,6 +233,20 @@ def test_backend_under_horovodrun_gloo() -> None:
     job = run_horovodrun("hvd_backend.py", 2, gloo=True, timeout=150)
     labels_ok(job, 2, BACKEND_LABELS)
     assert "(gloo controller; headers over a TCP mesh" in job.output, job.explain()
+
+
+@pytest.mark.horovod
+def test_training_under_horovodrun_gloo() -> None:
+    """`import asynclock.torch as hvd` under `horovodrun --gloo` (no MPI world): the
+    gradient checks of torch_grads.py, each a new DistributedOptimizer with a new
+    gradient lane, buckets as Horovod groups of handed gradients. Regression: a
+    peer's first header round on a new lane used to get lost (a hang in ~half the
+    runs, at a different optimizer each time)."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("torch_grads.py", 2, gloo=True, timeout=150)
+    labels_ok(job, 2, ["caps_tiny_partitions", "identical_20_steps", "handed_some_ranks",
+                       "grouped_yes", "accumulate_passes", "gated_bit_identical",
+                       "mismatch_options", "done"])
 
 
 @pytest.mark.mpi

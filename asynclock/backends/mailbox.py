@@ -89,8 +89,17 @@ class Mailbox:
     every rank, but not with the others)."""
         self.inboxes.setdefault(4 * channel + P2P, deque())
         for kind in (HEADERS, AGREE, DATA):
-            self.gathers[4 * channel + kind] = GatherStream(self.size)
+            self._gather_stream(4 * channel + kind)  # a peer's first rounds may be in
         return MailboxPort(self, 4 * channel)
+
+    def _gather_stream(self, stream_id: int) -> GatherStream:
+        """The stream, made on first use: by our port, or by a frame that arrived
+        before it (a peer that opened the channel first and already sent its
+        first header round; dropping that frame would hang the round)."""
+        stream = self.gathers.get(stream_id)
+        if stream is None:
+            stream = self.gathers[stream_id] = GatherStream(self.size)
+        return stream
 
     # -- sending ---------------------------------------------------------------
     def send(self, dest: int, channel: int, payload: bytes) -> Request:
@@ -151,10 +160,10 @@ class Mailbox:
                 return
             payload = bytes(rx[_FRAME.size:_FRAME.size + n])
             del rx[:_FRAME.size + n]
-            if channel in self.gathers:
-                self.gathers[channel].arrive(peer, payload)
-            else:
+            if channel % 4 == P2P:
                 self.inboxes.setdefault(channel, deque()).append((peer, payload))
+            else:
+                self._gather_stream(channel).arrive(peer, payload)
 
     def close(self) -> None:
         for sock in self._peers.values():
