@@ -5,8 +5,8 @@ that does not clean up, a frozen process, or a cut TCP link (MPICH over TCP
 hangs silently) leave every other rank blocked in its next collective for
 ever. Invariant 2 (no silent hang) therefore needs a signal of its own.
 
-One daemon thread per rank, on its own communicator
-(`MPIBackend.watchdog_comm`), every `ASYNCLOCK_HEARTBEAT_S` (0.5 s):
+One daemon thread per rank, on its own communicator (`MPIBackend.watchdog_comm`;
+without MPI, a TCP mesh of its own: `heartbeat`), every `ASYNCLOCK_HEARTBEAT_S` (0.5 s):
 
 * sends each live peer a small status: state (running, closing, failed),
   the issued sequence number of every lane, this rank's oldest in-flight
@@ -44,6 +44,7 @@ from . import frozen
 from .env import env_float
 from .errors import RankFailedError, StallError
 from .failure import EXIT_RANK_FAILED, EXIT_STALL, hard_exit, write_stderr
+from .heartbeat import HeartbeatLink
 from .progress import Engine, EngineSnapshot, InflightOp
 from .threadsafe import name_os_thread
 
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("asynclock.watchdog")
 
 RUNNING, CLOSING, FAILED = 0, 1, 2
-TAG = 0x4842
 LAG_NOTE_S = 1.0  # an event loop that has not run for this long is worth naming
 # This rank dumps its stacks when its own heartbeat thread stalled for this share of
 # dead_after_s: before the peers declare it dead and the launcher kills it (`frozen`).
@@ -156,12 +156,18 @@ def relay_text(peer: int, reason: str) -> str:
     return reason if reason.startswith(f"rank {peer} ") else f"{reason} (reported by rank {peer})"
 
 
+def _thread_multiple() -> bool:
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
 class Watchdog:
     """The heartbeat thread of one rank; `close()` is the clean shutdown."""
 
-    def __init__(self, comm: Any, engine: Engine, rank: int, size: int,
+    def __init__(self, link: HeartbeatLink | None, engine: Engine, rank: int, size: int,
                  policy: WatchdogPolicy | None = None) -> None:
-        self.comm, self.engine, self.rank, self.size = comm, engine, rank, size
+        self.link, self.engine, self.rank, self.size = link, engine, rank, size
         self.policy = policy or WatchdogPolicy.from_env()
         self.peers: dict[int, PeerStatus | None] = {r: None for r in range(size) if r != rank}
         now = time.monotonic()
@@ -185,17 +191,15 @@ class Watchdog:
 
     @classmethod
     def for_coordinator(cls, coord: Coordinator) -> Watchdog | None:
-        """Start one when the transport has a watchdog communicator and peers."""
-        comm = getattr(coord.backend, "watchdog_comm", None)
-        if comm is None or coord.size <= 1 or os.environ.get("ASYNCLOCK_WATCHDOG") == "0":
+        """Start one when the transport has a heartbeat link and peers."""
+        link: HeartbeatLink | None = getattr(coord.backend, "watchdog_link", None)
+        if link is None or coord.size <= 1 or os.environ.get("ASYNCLOCK_WATCHDOG") == "0":
             return None
-        from mpi4py import MPI
-
-        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        if link.needs_thread_multiple and not _thread_multiple():
             log.warning("asynclock[rank %d]: MPI is not MPI_THREAD_MULTIPLE: no heartbeats, "
                         "so a dead or frozen rank will not be detected", coord.rank)
             return None
-        dog = cls(comm, coord.engine, coord.rank, coord.size)
+        dog = cls(link, coord.engine, coord.rank, coord.size)
         dog.start()
         return dog
 
@@ -272,22 +276,21 @@ class Watchdog:
                 oldest.age_s if oldest else 0.0, self._lag, reason)
 
     def _send_all(self, status: tuple[Any, ...]) -> None:
-        if len(self._sends) > MAX_PENDING_SENDS:
+        link = self.link
+        if len(self._sends) > MAX_PENDING_SENDS or link is None:
             return
         for peer in self.peers:
             if peer not in self._closed and peer not in self._dead:
-                self._sends.append(self.comm.isend(status, dest=peer, tag=TAG))
+                self._sends.append(link.send(status, peer))
                 self._sent += 1
 
     def _reap(self) -> None:
         self._sends = [req for req in self._sends if not req.Test()]
 
     def _drain(self, now: float) -> None:
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        while (msg := self.comm.improbe(MPI.ANY_SOURCE, TAG, status)) is not None:
-            self._on_status(status.Get_source(), PeerStatus(*msg.recv()), now)
+        assert self.link is not None
+        for peer, status in self.link.receive():
+            self._on_status(peer, PeerStatus(*status), now)
 
     def _on_status(self, peer: int, st: PeerStatus, now: float) -> None:
         self._received += 1

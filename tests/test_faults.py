@@ -250,9 +250,12 @@ def test_killed_rank_horovodrun(gloo: bool) -> None:
 
 
 @pytest.mark.horovod
-def test_frozen_rank_horovodrun() -> None:
-    """Under Horovod's MPI controller the watchdog runs on the Horovod backend too."""
-    job, elapsed = horovodrun("fault_kill.py", "--signal", "STOP", gloo=False)
+@pytest.mark.parametrize("gloo", [False, True], ids=["mpi", "gloo"])
+def test_frozen_rank_horovodrun(gloo: bool) -> None:
+    """The watchdog runs on the Horovod backend too: under Horovod's MPI controller on
+    a communicator, under `horovodrun --gloo` (no MPI world) on a TCP mesh of its own
+    (`asynclock.heartbeat`; before it, a frozen rank there hung the job in silence)."""
+    job, elapsed = horovodrun("fault_kill.py", "--signal", "STOP", gloo=gloo)
     assert job.returncode not in (0, 124) and elapsed < DEADLINE_S, job.explain()
     assert "asynclock[rank 0]: rank 1 is unreachable" in job.output, job.explain()
     assert_no_orphans(job, 2)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError
+from ..heartbeat import MailboxLink, MPILink
 from ..ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request, close_channel_of
 from .mailbox import AGREE, DATA, Mailbox, MailboxPort
@@ -333,12 +334,18 @@ class HorovodBackend:
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
-        self.watchdog_comm = getattr(self._mpi, "watchdog_comm", None)
         self._prefix = f"asynclock{next(_instances)}"
-        self._mailbox = None if self._mpi is not None else Mailbox(
-            self.rank, self.size, os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(),
-            lambda addr: list(hvd.allgather_object(addr, name=f"{self._prefix}.mailbox")))
+        self._mailbox = None if self._mpi is not None else self._mesh(hvd, "mailbox")
+        self.watchdog_link: MPILink | MailboxLink = (
+            self._mpi.watchdog_link if self._mpi is not None
+            else MailboxLink(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
         self._channels: list[HorovodChannel] = []
+
+    def _mesh(self, hvd: Any, what: str) -> Mailbox:
+        """A TCP mesh between the ranks (no MPI world): addresses go round over Horovod."""
+        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        return Mailbox(self.rank, self.size, host, lambda addr: list(
+            hvd.allgather_object(addr, name=f"{self._prefix}.{what}")))
 
     def _init_horovod(self, hvd: Any) -> None:
         """Horovod's background thread calls MPI while our loop does: THREAD_MULTIPLE."""
@@ -392,6 +399,8 @@ class HorovodBackend:
         self._channels.clear()
         if self._mailbox is not None:
             self._mailbox.close()
+        if isinstance(self.watchdog_link, MailboxLink):
+            self.watchdog_link.close()  # the watchdog said `closing` before this
         if self._owns_horovod:
             _hvd().shutdown()
         if self._mpi is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..heartbeat import MPILink
 from ..ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
@@ -152,6 +153,7 @@ class MPIBackend:
         # never match anything else and a busy data channel cannot delay them.
         self.watchdog_comm = self.world.Dup()
         self.watchdog_comm.Set_name("asynclock.watchdog")
+        self.watchdog_link = MPILink(self.watchdog_comm)
 
     def channel(self, name: str) -> MPIChannel:
         """Collective call: every rank must create channels in the same order."""
