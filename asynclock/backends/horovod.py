@@ -340,6 +340,7 @@ class HorovodBackend:
             self._mpi.watchdog_link if self._mpi is not None
             else MailboxLink(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
         self._channels: list[HorovodChannel] = []
+        self._ports = itertools.count()  # mailbox channel ids: never reused after a close
 
     def _mesh(self, hvd: Any, what: str) -> Mailbox:
         """A TCP mesh between the ranks (no MPI world): addresses go round over Horovod."""
@@ -372,7 +373,7 @@ class HorovodBackend:
     def channel(self, name: str) -> HorovodChannel:
         """Collective call: every rank must create channels in the same order."""
         mpi = self._mpi.channel(name) if self._mpi is not None else None
-        port = self._mailbox.port(len(self._channels)) if self._mailbox is not None else None
+        port = self._mailbox.port(next(self._ports)) if self._mailbox is not None else None
         ch = HorovodChannel(name, self._prefix, self.rank, self.size, mpi, port)
         self._channels.append(ch)
         return ch
