@@ -235,18 +235,28 @@ def test_backend_under_horovodrun_gloo() -> None:
     assert "(gloo controller; headers over a TCP mesh" in job.output, job.explain()
 
 
-@pytest.mark.horovod
-def test_training_under_horovodrun_gloo() -> None:
-    """`import asynclock.torch as hvd` under `horovodrun --gloo` (no MPI world): the
-    gradient checks of torch_grads.py, each a new DistributedOptimizer with a new
-    gradient lane, buckets as Horovod groups of handed gradients. Regression: a
-    peer's first header round on a new lane used to get lost (a hang in ~half the
-    runs, at a different optimizer each time)."""
-    need_horovod(gloo=True)
-    job = run_horovodrun("torch_grads.py", 2, gloo=True, timeout=150)
-    labels_ok(job, 2, ["caps_tiny_partitions", "identical_20_steps", "handed_some_ranks",
+GLOO_TRAINING = {
+    "torch_grads.py": ["caps_tiny_partitions", "identical_20_steps", "handed_some_ranks",
                        "grouped_yes", "accumulate_passes", "gated_bit_identical",
-                       "mismatch_options", "done"])
+                       "mismatch_options"],
+    "torch_async.py": ["basic", "loop_live_during_backward", "modes_bit_identical",
+                       "cancel_during_backward"],
+    "join.py": ["hvd_allreduce", "hvd_optimizer"],
+}
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("program", sorted(GLOO_TRAINING))
+def test_training_under_horovodrun_gloo(program: str) -> None:
+    """`import asynclock.torch as hvd` under `horovodrun --gloo` (no MPI world): the
+    gradient checks (each a new DistributedOptimizer with a new gradient lane, buckets
+    as Horovod groups of handed gradients), the async API, and join with uneven steps
+    (joined rounds settle their buckets). Regression: a peer's first header round on
+    a new lane used to get lost (torch_grads.py hung in ~half the runs)."""
+    need_horovod(gloo=True)
+    args = ["--hvd"] if program == "join.py" else []
+    job = run_horovodrun(program, 2, *args, gloo=True, timeout=150)
+    labels_ok(job, 2, [*GLOO_TRAINING[program], "done"])
 
 
 @pytest.mark.mpi
