@@ -259,6 +259,18 @@ def test_training_under_horovodrun_gloo(program: str) -> None:
     labels_ok(job, 2, [*GLOO_TRAINING[program], "done"])
 
 
+@pytest.mark.horovod
+def test_gated_and_plain_updates_bit_identical_at_3_ranks_under_horovodrun_gloo() -> None:
+    """3 ranks sum in an order that follows the layout of Horovod's fusion buffer: with
+    buckets fused across groups it followed timing, and gated, per-bucket and plain
+    updates differed in the last bits (4 of 4 runs). asynclock now initializes Horovod
+    with HOROVOD_DISABLE_GROUP_FUSION=1 unless the user set it."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("torch_grads.py", 3, gloo=True, timeout=150)
+    labels_ok(job, 3, ["gated_bit_identical", "identical_20_steps", "handed_some_ranks",
+                       "done"])
+
+
 @pytest.mark.mpi
 @pytest.mark.horovod
 def test_sync_primitives_under_horovodrun_gloo(tmp_path: Path) -> None:
