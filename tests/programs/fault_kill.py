@@ -33,6 +33,9 @@ async def main() -> None:
         announce_pid(c.rank)
         assert ((await c.allreduce(np.ones(4))) == c.size).all()
         report(c.rank, "warmed")
+        # every rank has written its line before the victim dies: a launcher that kills the
+        # survivors at once (MPICH's Hydra) could otherwise cut one off before it printed
+        await c.barrier(name="warmed")
         handle = c.allreduce_async(np.ones(1 << 18), name="step")  # 2 MiB: a data stage
         if c.rank == VICTIM and HOW == "GIL":
             hold_the_gil(60)
