@@ -267,7 +267,7 @@ class Watchdog:
     def _note_error(self, exc: Exception) -> None:
         """Say it once; the peers' silence then decides, after dead_after_s."""
         if not self._errors:
-            write_stderr(f"asynclock[rank {self.rank}]: watchdog: MPI error {exc!r}\n")
+            write_stderr(f"asynclock[rank {self.rank}]: watchdog: heartbeat error {exc!r}\n")
         self._errors += 1
 
     def _status(self, snap: EngineSnapshot, state: int, reason: str = "") -> tuple[Any, ...]:
