@@ -159,9 +159,14 @@ class HorovodRuntime:
     def down(self, step: Step | None = None) -> None:
         """Shut Horovod down once `step`'s deferred updates landed (nothing in flight)."""
         if self.running:
-            getattr(step, "settle", lambda: None)()
+            settle(step)
             self.hvd.shutdown()
         self.running = False
+
+
+def settle(step: Step | None) -> None:
+    """Let `step`'s deferred work land (gated updates, an async step's last round)."""
+    getattr(step, "settle", lambda: None)()
 
 
 HOROVOD = HorovodRuntime()
@@ -311,7 +316,7 @@ def window(step: Step, n: int, threads: dict[str, float] | None = None
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n):
         step()
-    getattr(step, "settle", lambda: None)()  # a gated method's deferred round is its work too
+    settle(step)  # a gated method's deferred round is its work too
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if threads is not None:
         for name, sec in thread_cpu().items():

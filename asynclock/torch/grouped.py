@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import Bucket
-from .shm_chunks import HandedGrads, scaled_copy
+from .shm_chunks import HandedGrads
 
 GROUPED_DTYPES = frozenset({torch.float32, torch.float64})  # Horovod's CPU sums
 
@@ -43,13 +43,11 @@ def entries(handed: HandedGrads, b: Bucket, flat: torch.Tensor
 
 
 def settle(handed: HandedGrads, b: Bucket, flat: torch.Tensor) -> None:
-    """Bring bucket b into the buffer, scaled, for a plain allreduce."""
-    sources, scale = _sources(handed, b), handed.scale
-    for s in b.segments:
-        out = flat[s.offset: s.offset + s.numel]
-        source = sources.get(s.offset)
-        if source is not None:
-            scaled_copy(source, scale, out)
-        elif scale != 1.0:
-            out.mul_(scale)
-    handed.drop(b.index)
+    """Bring bucket b into the buffer, scaled, for a plain allreduce: scale what is
+    in it already (packed unscaled), then copy the handed tensors in (`flush`)."""
+    if handed.scale != 1.0:
+        sources = _sources(handed, b)
+        for s in b.segments:
+            if s.offset not in sources:
+                flat[s.offset: s.offset + s.numel].mul_(handed.scale)
+    handed.flush(b, flat)
