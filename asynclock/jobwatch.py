@@ -123,17 +123,28 @@ def run_job(argv: list[str], env: dict[str, str] | None, *, strip_tags: bool = F
             watch.start(src, dst)
     previous = _forward_signals(proc)
     try:
-        rc = _supervise(proc, watch, timeout, failure_grace_s)
+        rc, ended_by_us = _supervise(proc, watch, timeout, failure_grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     watch.join(GRACE_S)
-    return rc
+    return rc if ended_by_us else job_status(rc, watch.stopping)
+
+
+def job_status(runner_rc: int, stopping: Stopping | None) -> int:
+    """The failed rank's own exit code over the runner's: hydra reports the ranks
+    it SIGKILLed afterwards (9), or, racing, 0 although a rank exited with 3."""
+    if stopping is None or stopping.exit_code in (0, runner_rc):
+        return runner_rc
+    say(f"rank {stopping.rank} failed (exit {stopping.exit_code}); "
+        f"the runner returned {runner_rc}")
+    return stopping.exit_code
 
 
 def _supervise(proc: subprocess.Popen[bytes], watch: _OutputWatch, timeout: float | None,
-               failure_grace_s: float) -> int:
-    """Wait for the runner; kill it on timeout or when it outlives a stopping rank."""
+               failure_grace_s: float) -> tuple[int, bool]:
+    """Wait for the runner; kill it on timeout or when it outlives a stopping rank.
+    (exit status, whether this watch ended the job)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while (rc := _poll(proc)) is None:
@@ -141,12 +152,12 @@ def _supervise(proc: subprocess.Popen[bytes], watch: _OutputWatch, timeout: floa
             if verdict is not None:
                 say(verdict[1])
                 terminate(proc)
-                return verdict[0]
+                return verdict[0], True
     except BaseException:  # a second Ctrl-C or any error: never leave ranks behind
         terminate(proc)
         raise
     kill_group(proc, signal.SIGKILL)  # ranks a runner left behind when it exited
-    return 128 - rc if rc < 0 else rc
+    return (128 - rc if rc < 0 else rc), False
 
 
 def _poll(proc: subprocess.Popen[bytes]) -> int | None:

@@ -14,7 +14,8 @@ when any rank failed, and merges `--timeline` files at the end, even after
 a failure.
 
 Each rank starts behind `asynclock/rankio.py`, which tags whole output
-lines `[r] line` (the runners' own tags split lines; see that module).
+lines `[r] line` (the runners' own tags split lines) and announces a rank
+that failed, so a runner that never notices still ends (see that module).
 """
 
 from __future__ import annotations

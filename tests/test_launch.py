@@ -111,28 +111,6 @@ def test_horovodrun_tags_are_stripped() -> None:
     assert launch.strip_tag(b"[0] plain\n") == b"[0] plain\n"
 
 
-# -- the trampoline ------------------------------------------------------------------------
-def test_trampoline_tags_whole_lines_and_becomes_the_program() -> None:
-    code = ("import os, sys\n"
-            "print('pid', os.getpid())\n"
-            "sys.stdout.write('split '); sys.stdout.flush(); print('line')\n"
-            "print('bad', file=sys.stderr)\n"
-            "sys.stdout.write('no newline at exit'); sys.exit(7)\n")
-    argv = rankio.trampoline([sys.executable, "-u", "-c", code])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PMI_RANK": "5"})
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 7  # the program's own status: it *is* the process
-    assert out.splitlines() == [f"[5] pid {proc.pid}", "[5] split line", "[5] no newline at exit"]
-    assert err == "[5] bad\n"
-
-
-def test_trampoline_reports_a_missing_program() -> None:
-    done = subprocess.run(rankio.trampoline(["/nonexistent/prog"]), capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 127 and "cannot run '/nonexistent/prog'" in done.stderr
-
-
 # -- real jobs --------------------------------------------------------------------------------
 def assert_tagged_hello(done: subprocess.CompletedProcess[str], nranks: int) -> None:
     for rank in range(nranks):
@@ -155,8 +133,24 @@ def test_two_rank_job_lines_are_tagged(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_failing_rank_fails_the_launch(kind: str) -> None:
     done = run_launcher("-n", "2", "--runner", kind, "--timeout", "120", HELLO, "--fail")
-    assert done.returncode != 0, explain(done)
-    assert done.returncode != launch.TIMEOUT_EXIT, explain(done)
+    assert done.returncode == 3, explain(done)  # the rank's own code, whatever hydra says
+    assert "[1] asynclock[rank 1]: the program exited with status 3; stopping the job (exit 3)" \
+        in done.stderr, explain(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_rank_ends_a_job_whose_survivors_hang(kind: str) -> None:
+    """Regression (CI, hydra 5.0.2): rank 1 exited with 3 without MPI_Finalize, rank 0
+    waited in MPI_Finalize for ever and hydra never ended the job (timeout, 124). The
+    trampoline announces the failure, so the launch ends with 3 after --failure-grace."""
+    token = f"stuck-{uuid.uuid4().hex}"
+    done = run_launcher("-n", "3", "--runner", kind, "--timeout", "100", "--failure-grace", "2",
+                        HELLO, "--fail-stuck", token)
+    assert done.returncode == 3, explain(done)
+    assert "the program exited with status 3; stopping the job (exit 3)" in done.stderr, \
+        explain(done)
+    assert not _wait_gone(token)
 
 
 def _processes_with(token: str) -> list[int]:
@@ -276,3 +270,13 @@ def test_overdue_verdicts() -> None:
     assert code == 4 and text.startswith("rank 2 stopped the job (exit 4) 30 s ago")
     code, text = jobwatch._overdue(late, now - 1, 20, 5.0) or (0, "")
     assert (code, text) == (launch.TIMEOUT_EXIT, "timeout after 5s: killing the job")
+
+
+def test_job_status_prefers_the_failed_ranks_code(capsys: pytest.CaptureFixture[str]) -> None:
+    """hydra reports 9 for the survivors it SIGKILLed, or (a race) 0 after a rank's 3."""
+    failed = jobwatch.Stopping(1, 3, time.monotonic())
+    assert jobwatch.job_status(9, failed) == 3
+    assert "rank 1 failed (exit 3); the runner returned 9" in capsys.readouterr().err
+    assert jobwatch.job_status(0, failed) == 3
+    assert jobwatch.job_status(3, failed) == 3 and capsys.readouterr().err.count("failed") == 1
+    assert jobwatch.job_status(9, None) == 9 and jobwatch.job_status(0, None) == 0

@@ -221,11 +221,13 @@ class _Load:
     """About `seconds` of torch compute (the program's intra-op threads), run in a
     thread beside a collective: what a spinning wait costs the work it overlaps."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, chunk_seconds: float | None = None) -> None:
         import torch
 
         self.a = torch.ones(CHUNK, CHUNK)
-        self.chunks = max(1, round(seconds / self._chunk_seconds()))
+        chunk_seconds = self._chunk_seconds() if chunk_seconds is None else chunk_seconds
+        self.chunks = max(1, round(seconds / chunk_seconds))
+        self.done = 0  # chunks run by the last `beside`
 
     def _chunk_seconds(self) -> float:
         import torch
@@ -240,8 +242,10 @@ class _Load:
     def _run(self) -> None:
         import torch
 
+        self.done = 0
         for _ in range(self.chunks):
             torch.mm(self.a, self.a)
+            self.done += 1
 
     def beside(self, fn: Any) -> None:
         """Run `fn()` here while the load runs in a thread; return when both are done."""

@@ -1,6 +1,8 @@
 """Rank program for launcher tests: MPI works, each rank writes to stdout and stderr.
 
-`--fail`: rank 1 exits with status 3 after the allreduce. `--hang`: every
+`--fail`: rank 1 exits with status 3 after the allreduce. `--fail-stuck`: so
+does rank 1, and the others block for ever (as survivors in a collective, or
+in hydra's MPI_Finalize after a rank died: 7% of `--fail` jobs). `--hang`: every
 rank blocks forever (the launcher's --timeout must end the job). `--hang
 --announce`: rank 1 first says it stops the job, as the watchdog does, and the
 job still never ends (as hydra after a cut host): the launcher must end it.
@@ -31,8 +33,11 @@ def main() -> int:
     if "--hang" in sys.argv:
         print(f"hanging {comm.rank}", flush=True)
         threading.Event().wait()
-    if "--fail" in sys.argv and comm.rank == 1:
+    failing = "--fail" in sys.argv or "--fail-stuck" in sys.argv
+    if failing and comm.rank == 1:
         os._exit(3)  # no MPI_Finalize: a rank that really failed
+    if "--fail-stuck" in sys.argv:
+        threading.Event().wait()
     return 0
 
 
