@@ -9,7 +9,8 @@
 # (Debian's, via mpi/select.py env system: mpirun and libmpi.so.40 together);
 # the Gloo controller needs no MPI launcher at all and works with either MPI
 # (mpi4py inside the ranks then sees one singleton rank; asynclock picks its
-# Horovod backend under horovodrun). asynclock-launch does the same and also
+# Horovod backend there, and its MPI backend under the MPI controller, where
+# mpirun started the ranks). asynclock-launch does the same and also
 # tags lines "[rank] ", adds --timeout and --timeline:
 #   asynclock-launch -n 2 --runner horovodrun [--gloo] train.py
 set -euo pipefail

@@ -235,6 +235,17 @@ def test_backend_under_horovodrun_gloo() -> None:
     assert "(gloo controller; headers over a TCP mesh" in job.output, job.explain()
 
 
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_auto_picks_mpi_under_horovodrun_with_an_mpi_world() -> None:
+    """`horovodrun` (MPI controller) starts the ranks with mpirun: `auto` takes the MPI
+    backend and never imports Horovod, whose idle thread would tax every rank."""
+    need_horovod(gloo=False)
+    job = run_horovodrun("auto_backend.py", 2, "--expect", "mpi", timeout=120)
+    labels_ok(job, 2, ["auto_backend"])
+    assert job.output.count("auto_backend 2 ranks on mpi (Open MPI") == 2, job.explain()
+
+
 GLOO_TRAINING = {
     "torch_grads.py": ["caps_tiny_partitions", "identical_20_steps", "handed_some_ranks",
                        "grouped_yes", "accumulate_passes", "gated_bit_identical",

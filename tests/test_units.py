@@ -178,3 +178,30 @@ def test_header_text_for_a_rejected_op() -> None:
     with pytest.raises(RemoteInputError,
                        match=r"^collective #4 allreduce\(\?\) rejected input on rank 1: invalid"):
         check(rows, Kind.ALLREDUCE)
+
+
+# -- backend choice (`auto`) -------------------------------------------------------------
+@pytest.mark.parametrize("env, want", [
+    ({"HOROVOD_RANK": "0", "HOROVOD_CONTROLLER": "gloo", "HOROVOD_HOSTNAME": "h"}, "horovod"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_CONTROLLER": "gloo", "PMI_SIZE": "2"}, "horovod"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_CONTROLLER": "mpi"}, "mpi"),
+    ({"HOROVOD_HOSTNAME": "h", "OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+    ({"PMI_SIZE": "2"}, "mpi"),
+    ({}, "mpi"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_CONTROLLER": "gloo", "ASYNCLOCK_BACKEND": "mpi"}, "mpi"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "ASYNCLOCK_BACKEND": "horovod"}, "horovod"),
+])
+def test_auto_picks_horovod_only_where_there_is_no_mpi_world(
+        env: dict[str, str], want: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Horovod's background thread costs every rank a share of a core whether or not it
+    has work, so `auto` takes Horovod only under `horovodrun --gloo` (no MPI world)."""
+    from asynclock import runtime
+
+    for var in (*runtime._HOROVOD_ENV, *runtime._MPI_LAUNCHER_ENV, "ASYNCLOCK_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(runtime, "_horovod_importable", lambda: True)
+    assert runtime.choose_backend("auto") == want
+    assert runtime.choose_backend("local") == "local"  # an explicit choice stands
