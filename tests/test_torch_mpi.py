@@ -111,6 +111,11 @@ def test_gated_and_per_bucket_updates_bit_identical(nranks: int, transport: str,
 
 
 @grads_cases
+def test_sparse_gradients_travel_dense(nranks: int, transport: str, backend: str) -> None:
+    grads(nranks, transport, backend, "sparse_gradients")
+
+
+@grads_cases
 def test_too_many_backward_passes_error(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "too_many_passes")
 

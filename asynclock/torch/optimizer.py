@@ -178,7 +178,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         from .adasum_optimizer import adasum_optimizer
 
         return adasum_optimizer(optimizer, compression)
-    del sparse_as_dense  # gradients are dense here; sparse ones are rejected when packed
+    del sparse_as_dense  # sparse gradients always travel dense here (storage._dense)
+    _check_dense_gradients_welcome(optimizer)
     from .compression import Compression
 
     options = {"compression": compression or Compression.none,
@@ -191,6 +192,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
     return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
                gate_forward, process_set)
+
+
+def _check_dense_gradients_welcome(optimizer: torch.optim.Optimizer) -> None:
+    """Reduced gradients come back dense (Horovod's `sparse_as_dense=True`), which
+    SparseAdam refuses at its first step; say so at once, on every rank."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("DistributedOptimizer reduces sparse gradients as dense ones "
+                         "(Horovod's sparse_as_dense=True), and SparseAdam takes sparse "
+                         "gradients only: use torch.optim.Adam (or SGD) instead")
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer

@@ -38,6 +38,15 @@ def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
+def _dense(p: torch.Tensor) -> None:
+    """A sparse gradient (`nn.Embedding(sparse=True)`) travels dense, as under
+    Horovod's `sparse_as_dense=True`: buckets hold every element of every
+    parameter, so the layout and the collectives stay the same on every rank
+    whichever rows each rank's batch touched."""
+    if p.grad is not None and p.grad.layout != torch.strided:
+        p.grad = p.grad.to_dense()
+
+
 def _handable(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """A gradient the shared-memory pipeline can read as it is (see shm_chunks)."""
     return (grad.is_contiguous() and grad.shape == view.shape and grad.dtype == view.dtype
@@ -99,8 +108,9 @@ class GradStorage:
     # -- thread side: called from autograd hooks --------------------------------
     def accumulate(self, i: int) -> None:
         """A non-final pass: keep the running sum in the buffer (direct only)."""
+        p = self.registry.params[i]
+        _dense(p)  # later passes then add their sparse rows into a dense sum
         if i in self.region and self.direct[i]:
-            p = self.registry.params[i]
             view = self.view(i)
             if not _same(p.grad, view):
                 assert p.grad is not None
@@ -114,6 +124,7 @@ class GradStorage:
             return
         self.writable()
         p = self.registry.params[i]
+        _dense(p)
         if self.handed is not None:
             self.handed.scale = scale
         if p.grad is None:
@@ -164,6 +175,7 @@ class GradStorage:
         """After a re-plan: move current gradients into the new views."""
         for i in self.region:
             p = self.registry.params[i]
+            _dense(p)
             if p.grad is not None and self.direct[i]:
                 self.view(i).copy_(p.grad)
                 p.grad = self.view(i)

@@ -381,6 +381,74 @@ def check_bucket_mismatch() -> None:
     report(hvd.rank(), "mismatch_buckets")
 
 
+class BagOfTokens(torch.nn.Module):
+    """A sparse embedding (`sparse=True`: autograd yields sparse gradients) under a head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(20, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(dim=1))
+
+
+def token_loss(step: int) -> object:
+    """Rank r's batch uses tokens from its own range too, so ranks touch different rows."""
+    def loss(model: torch.nn.Module, r: int = hvd.rank()) -> torch.Tensor:
+        g = torch.Generator().manual_seed(2000 + 31 * step + r)
+        tokens = torch.cat([torch.randint(0, 6, (3, 2), generator=g),
+                            torch.randint(6 + 4 * r, 10 + 4 * r, (3, 2), generator=g)], dim=1)
+        y = torch.randint(0, 3, (3,), generator=g)
+        return torch.nn.functional.cross_entropy(model(tokens), y)
+
+    return loss
+
+
+def check_sparse_gradients() -> None:
+    """`nn.Embedding(sparse=True)`: the sparse gradient travels dense (Horovod's
+    sparse_as_dense=True, for either setting) and equals the dense global-batch
+    gradient; SparseAdam, which takes sparse gradients only, is refused at once."""
+    for as_dense in (False, True):
+        model = BagOfTokens(seed=21)
+        opt = sgd(model, sparse_as_dense=as_dense)
+        for step in range(3):
+            loss = token_loss(step)
+            want = [w.to_dense() for w in reference_grads(model, hvd.size(), loss)]
+            opt.zero_grad()
+            loss(model).backward()
+            opt.synchronize()
+            assert model.emb.weight.grad.layout == torch.strided, model.emb.weight.grad.layout
+            for (name, p), w in zip(model.named_parameters(), want, strict=True):
+                assert_close(p.grad, w, f"sparse_as_dense={as_dense} step {step} {name}")
+            with opt.skip_synchronize():
+                opt.step()
+        assert_same_on_all_ranks(model, gather, f"sparse_as_dense={as_dense}")
+    model = BagOfTokens(seed=22)  # two passes per step: sparse rows add into the dense sum
+    opt = sgd(model, backward_passes_per_step=2)
+    want = [a.to_dense() + b.to_dense() for a, b in zip(
+        reference_grads(model, hvd.size(), token_loss(5)),
+        reference_grads(model, hvd.size(), token_loss(6)), strict=True)]
+    opt.zero_grad()
+    token_loss(5)(model).backward()
+    token_loss(6)(model).backward()
+    opt.synchronize()
+    for (name, p), w in zip(model.named_parameters(), want, strict=True):
+        assert_close(p.grad, w, f"sparse, 2 passes {name}")
+    with opt.skip_synchronize():
+        opt.step()
+    model = BagOfTokens(seed=21)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SparseAdam(model.emb.parameters()),
+                                 named_parameters=model.emb.named_parameters())
+    except ValueError as exc:
+        assert "SparseAdam takes sparse gradients only" in str(exc), exc
+    else:
+        raise AssertionError("SparseAdam was accepted")
+    report(hvd.rank(), "sparse_gradients")
+
+
 def shm_eligible() -> bool:
     from asynclock import runtime
     from asynclock.torch.shm import eligible
@@ -402,6 +470,7 @@ def main() -> None:
     check_predivide_and_sum()
     check_gated_bit_identical()
     check_too_many_passes()
+    check_sparse_gradients()
     if hvd.size() > 1:
         check_hook_order_differs()
         check_mismatches()
