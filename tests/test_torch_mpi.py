@@ -176,3 +176,15 @@ def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, t
 def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], backend: str) -> None:
     j = job("torch_hvd_script.py", nranks, backend, "shm", *flags)
     assert_labels(j, nranks, "trained", "identical", "collectives", "done")
+
+
+# -- torch.compile (torch_compiled.py) -------------------------------------------------
+def test_compiled_models_train_like_eager_ones() -> None:
+    """A compiled model trains to the eager global-batch result, plain and gated (the
+    gated optimizer comes after the same model class was compiled: its hooks must not
+    be skipped); SyncBatchNorm works inside one; Dynamo never traces asynclock's hooks;
+    a gated parameter read before its update is an error on every rank."""
+    j = run_job("torch_compiled.py", 2, timeout=240)
+    assert_labels(j, 2, "compiled_plain_gated", "compiled_sync_batch_norm", "stale_read_error")
+    for noise in ("Dynamo does not know how to trace", "record_function", "Graph break"):
+        assert noise not in j.output, f"{noise!r} in the output\n{j.explain()}"

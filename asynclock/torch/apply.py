@@ -9,7 +9,8 @@ and state only, so updating in subsets changes nothing but timing):
   its buckets are in, while later buckets are still on the wire;
 * deferred (layer-gated forward): return at once; a parameter is updated
   when something first needs it, i.e. its module's forward pre-hook, the
-  next backward reaching it, `zero_grad` or an explicit flush.
+  end of the next backward, `step`, `state_dict` or an explicit flush (a
+  gradient arriving before its update is an error: `before_gradient`).
 
 Updates run in the consumer's thread (the user's thread, or a worker thread
 under the async API), never on the event loop.
@@ -24,6 +25,13 @@ from contextlib import contextmanager
 import torch
 
 from .run import StepRun
+
+STALE_FORWARD = (
+    "layer-gated forward: the gradient of {} arrived while its deferred update was still "
+    "pending, so this step's forward read the old value: its module's forward pre-hook did "
+    "not run (the parameter is used outside its own module, or the model was called through "
+    "code that skips module hooks). Pass gate_forward=None (or set_forward_gate(False)) for "
+    "this model")
 
 
 @contextmanager
@@ -91,6 +99,20 @@ class Updates:
             for k in sorted(needed, key=position.__getitem__):
                 self._unpack(run, k)
             self._step_ready(run)
+
+    def before_gradient(self, i: int, describe: Callable[[int], str]) -> None:
+        """Parameter i's gradient is about to land in `.grad` (gated forward).
+
+        Its module's forward pre-hook applies its deferred update before the
+        forward reads it; still pending here means this gradient was computed
+        from the old value (the hook did not run), and training on would
+        silently differ from the ungated run. Every rank runs the same model,
+        so every rank raises here.
+        """
+        run = self.pending
+        if run is not None and not run.stepped[i]:
+            raise RuntimeError(STALE_FORWARD.format(describe(i)))
+        self.ensure((i,))
 
     def flush(self) -> None:
         """Apply every deferred update now (waits for outstanding buckets)."""

@@ -9,8 +9,14 @@ gradients arrive, instead of waiting for the whole model.
 Results are bit-identical to the ungated path as long as every parameter is
 used through its owning module (the usual case). A parameter used directly
 by another module (e.g. tied weights read via `other.weight`) may be read
-before its update; turn gating off for such models. The next backward, a
-`zero_grad` and explicit flushes apply whatever is still pending.
+before its update; when its gradient then arrives with the update still
+pending, backward raises on every rank (`Updates.before_gradient`) rather
+than train on the stale value; turn gating off for such models. A `zero_grad`
+and explicit flushes apply whatever is still pending.
+
+Under torch.compile the hooks run eagerly (`eager`), and code compiled
+before they existed is dropped (`forget_compiled_code`): Dynamo does not
+guard on module hooks and would keep running code that skips them.
 
 Waiting blocks the thread that runs forward, so while updates are deferred
 the forward must not run on the event-loop thread: under the async API use
@@ -28,7 +34,20 @@ from typing import Any
 import torch
 
 from .apply import Updates
+from .eager import eager, forget_compiled_code
 from .registry import ParamRegistry
+
+
+def _check_covered(model: torch.nn.Module, registry: ParamRegistry) -> None:
+    """Every reduced parameter needs a module in `model` whose pre-hook applies
+    its update; one outside it would be read before its update, silently."""
+    owned = {id(p) for p in model.parameters()}
+    stray = [registry.names[i] for i, p in enumerate(registry.params) if id(p) not in owned]
+    if stray:
+        raise ValueError(f"gate_forward: parameters {stray[:5]}{' ...' if len(stray) > 5 else ''}"
+                         " are not in the gated model, so nothing would apply their deferred "
+                         "update before they are read: pass the model that holds every "
+                         "parameter of the optimizer, or no gate")
 
 
 class ForwardGate:
@@ -39,10 +58,13 @@ class ForwardGate:
         self.updates = updates
         self.enabled = True
         self._handles: list[Any] = []
+        _check_covered(model, registry)
+        forget_compiled_code()  # before `eager` below imports Dynamo itself
         for module in model.modules():
             own = registry.indices(module.parameters(recurse=False))
             if own:
-                self._handles.append(module.register_forward_pre_hook(partial(self._pre, own)))
+                self._handles.append(module.register_forward_pre_hook(
+                    eager(partial(self._pre, own))))
 
     @property
     def modules(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,7 +64,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             gate_model, registry, self._reducer.updates)
         self._traced = [] if gate_model is None else trace_module(gate_model)
         if gate_model is not None:
-            self._reducer.bucketer.before = lambda i: self._reducer.updates.ensure((i,))
+            self._reducer.bucketer.before = partial(self._reducer.updates.before_gradient,
+                                                    describe=registry.describe)
         try:
             coord.run_sync(self._reducer.check_signature)
         except BaseException:

@@ -111,7 +111,8 @@ class TrainStep:
         if self.mode is Finish.DEFERRED:
             assert self.model is not None
             self.gate = ForwardGate(self.model, self.registry, reducer.updates)
-            reducer.bucketer.before = lambda i: reducer.updates.ensure((i,))
+            reducer.bucketer.before = partial(reducer.updates.before_gradient,
+                                              describe=self.registry.describe)
         try:
             await reducer.check_signature()
         except BaseException:

@@ -23,6 +23,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import runtime
+from .eager import eager
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -30,6 +31,15 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 class SyncBatchNorm(_BatchNorm):
     """Horovod's `hvd.SyncBatchNorm(num_features, eps, momentum, affine,
     track_running_stats)`: training statistics over all ranks; eval as usual."""
+
+    _eager_forward = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cls = SyncBatchNorm
+        if not cls._eager_forward:  # collectives inside: torch.compile must not trace them
+            cls.forward = eager(cls.forward)  # type: ignore[method-assign]
+            cls._eager_forward = True
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:

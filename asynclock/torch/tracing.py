@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import timeline
+from .eager import eager
 
 
 def trace_module(model: torch.nn.Module, name: str = "forward") -> list[Any]:
@@ -36,7 +37,8 @@ def trace_module(model: torch.nn.Module, name: str = "forward") -> list[Any]:
         if tl is not None and starts:
             tl.complete(name, "compute", starts.pop(), time.perf_counter())
 
-    return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    return [model.register_forward_pre_hook(eager(before)),
+            model.register_forward_hook(eager(after))]
 
 
 class RoundTrace:
