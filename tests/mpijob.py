@@ -45,7 +45,8 @@ class Job:
         return {int(m.group(1)) for m in _OK.finditer(self.output) if m.group(2) == label}
 
     def explain(self) -> str:
-        return f"command: {' '.join(self.cmd)}\nexit: {self.returncode}\n--- output ---\n{self.output}"
+        return (f"command: {' '.join(self.cmd)}\nexit: {self.returncode}\n"
+                f"--- output ---\n{self.output}")
 
 
 def run_job(program: str, nranks: int, *args: str, timeout: float = 120,

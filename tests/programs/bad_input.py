@@ -42,7 +42,8 @@ async def main() -> None:
             await expect(c, "shape", lambda: c.allreduce(torch.ones(3 + (c.rank == last))),
                          MismatchError, MismatchError, all_ranks, "float32[3]", "float32[4]",
                          f"rank {last}")
-            await expect(c, "shape_big", lambda: c.allreduce(torch.ones(100_000 + (c.rank == last))),
+            big = torch.ones(100_000 + (c.rank == last))
+            await expect(c, "shape_big", lambda: c.allreduce(big),
                          MismatchError, MismatchError, all_ranks, "float32[100000]")
             dt = torch.float64 if c.rank == last else torch.float32
             await expect(c, "dtype", lambda: c.allreduce(torch.ones(8, dtype=dt)), MismatchError,

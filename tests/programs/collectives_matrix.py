@@ -44,11 +44,13 @@ async def check_allreduce(c: asynclock.Coordinator) -> int:
                 exp = reference(op, n, dtype, c.size)
                 got = await c.allreduce(t, op)
                 assert got.dtype == dtype and got.shape == t.shape, (got.dtype, got.shape)
-                assert torch.equal(got, exp), f"allreduce {op} {dtype} n={n}: {got[:5]} != {exp[:5]}"
+                assert torch.equal(got, exp), (
+                    f"allreduce {op} {dtype} n={n}: {got[:5]} != {exp[:5]}")
                 assert torch.equal(t, contribution(c.rank, n, dtype)), "out-of-place changed input"
                 inplace = contribution(c.rank, n, dtype)
                 same = await c.allreduce_(inplace, op)
-                assert same is inplace and torch.equal(inplace, exp), f"allreduce_ {op} {dtype} n={n}"
+                assert same is inplace and torch.equal(inplace, exp), (
+                    f"allreduce_ {op} {dtype} n={n}")
                 count += 2
     return count
 
@@ -98,7 +100,8 @@ async def check_broadcast(c: asynclock.Coordinator) -> int:
             for root in range(c.size):
                 t = contribution(c.rank, n, dtype)
                 got = await c.broadcast(t, root=root)
-                assert torch.equal(got, contribution(root, n, dtype)), f"broadcast {dtype} {n} {root}"
+                want = contribution(root, n, dtype)
+                assert torch.equal(got, want), f"broadcast {dtype} {n} {root}"
                 await c.broadcast_(t, root=root)
                 assert torch.equal(t, contribution(root, n, dtype))
                 count += 2
@@ -180,7 +183,8 @@ async def main() -> None:
         assert want in (None, c.backend.name), f"backend {c.backend.describe()}, want {want}"
         report(c.rank, "backend", c.backend.describe())
         total = 0
-        for check in (check_allreduce, check_half_bulk, check_numpy, check_broadcast, check_allgather,
+        for check in (check_allreduce, check_half_bulk, check_numpy, check_broadcast,
+                      check_allgather,
                       check_reduce_scatter_alltoall, check_objects_and_barrier,
                       check_many_in_flight):
             total += await check(c)

@@ -193,7 +193,8 @@ def check_extras(rank: int, size: int) -> None:
         if "--horovod" not in sys.argv:  # ours: one merged Chrome trace, every rank in it
             import json
 
-            events = json.load(open(path))["traceEvents"]
+            with open(path) as trace:
+                events = json.load(trace)["traceEvents"]
             timed = {e.get("pid") for e in events if "timed" in str(e.get("args", ""))}
             assert len(timed) == size, (timed, events[:5])
 
