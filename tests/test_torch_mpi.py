@@ -183,8 +183,10 @@ def test_compiled_models_train_like_eager_ones() -> None:
     """A compiled model trains to the eager global-batch result, plain and gated (the
     gated optimizer comes after the same model class was compiled: its hooks must not
     be skipped); SyncBatchNorm works inside one; Dynamo never traces asynclock's hooks;
-    a gated parameter read before its update is an error on every rank."""
+    tied weights gate bit-identically; a gated parameter read before its update is an
+    error on every rank."""
     j = run_job("torch_compiled.py", 2, timeout=240)
-    assert_labels(j, 2, "compiled_plain_gated", "compiled_sync_batch_norm", "stale_read_error")
+    assert_labels(j, 2, "compiled_plain_gated", "compiled_sync_batch_norm",
+                  "tied_weights_gated", "stale_read_error")
     for noise in ("Dynamo does not know how to trace", "record_function", "Graph break"):
         assert noise not in j.output, f"{noise!r} in the output\n{j.explain()}"

@@ -9,8 +9,8 @@ and state only, so updating in subsets changes nothing but timing):
   its buckets are in, while later buckets are still on the wire;
 * deferred (layer-gated forward): return at once; a parameter is updated
   when something first needs it, i.e. its module's forward pre-hook, the
-  end of the next backward, `step`, `state_dict` or an explicit flush (a
-  gradient arriving before its update is an error: `before_gradient`).
+  next `step`, `state_dict` or an explicit flush (a gradient arriving
+  before its update is an error: `before_gradient`).
 
 Updates run in the consumer's thread (the user's thread, or a worker thread
 under the async API), never on the event loop.

@@ -11,8 +11,10 @@ used through its owning module (the usual case). A parameter used directly
 by another module (e.g. tied weights read via `other.weight`) may be read
 before its update; when its gradient then arrives with the update still
 pending, backward raises on every rank (`Updates.before_gradient`) rather
-than train on the stale value; turn gating off for such models. A `zero_grad`
-and explicit flushes apply whatever is still pending.
+than train on the stale value; turn gating off for such models. (A parameter
+that two modules both own, the usual way to tie weights, is applied by the
+first of them to run.) The next `step()`, `state_dict()` and explicit
+flushes apply whatever is still pending.
 
 Under torch.compile the hooks run eagerly (`eager`), and code compiled
 before they existed is dropped (`forget_compiled_code`): Dynamo does not

@@ -72,6 +72,43 @@ class OutsideUse(torch.nn.Module):
         return torch.nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
 
 
+class Tied(torch.nn.Module):
+    """Input and output layers share one weight, which both modules own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.inp, self.out = torch.nn.Linear(3, 6, bias=False), torch.nn.Linear(6, 3, bias=False)
+        self.out.weight = self.inp.weight  # [6, 3] used transposed by `out`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tanh(self.inp(x)), self.out.weight.t())
+
+
+def check_tied_weights_gated() -> None:
+    """A weight two modules own is updated by the first of them to run: gated equals plain."""
+    def run(gate: bool) -> torch.Tensor:
+        model = Tied()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
+                                       gate_forward=model if gate else None)
+        for step in range(4):
+            g = torch.Generator().manual_seed(50 + step)
+            x, y = torch.randn(4 * hvd.size(), 3, generator=g), torch.randn(4 * hvd.size(), 3,
+                                                                             generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(shard(x, hvd.rank(), hvd.size())),
+                                         shard(y, hvd.rank(), hvd.size())).backward()
+            opt.step()
+        if gate:
+            opt.apply_pending()
+        return flat(model)
+
+    plain, gated = run(False), run(True)
+    assert torch.equal(plain, gated), f"tied, gated differs: {(plain - gated).abs().max()}"
+    report(hvd.rank(), "tied_weights_gated")
+
+
 def check_stale_read_is_an_error() -> None:
     """A gated parameter read before its deferred update fails loudly on every rank, at
     the first gradient computed from the old value, instead of training on silently;
@@ -123,6 +160,7 @@ def main() -> None:
     hvd.init()
     check_plain_and_gated()
     check_sync_batch_norm()
+    check_tied_weights_gated()
     check_stale_read_is_an_error()
     report(hvd.rank(), "done")
     hvd.shutdown()
