@@ -23,6 +23,10 @@ time / method step time. Methods:
 * asynclock-gated-mpi: gated, buckets as MPI allreduces instead of the shared window;
 * asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread;
 * asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads).
+
+Under each table: the best asynclock method over the best peer (naive, Horovod,
+DDP) and over compute only, the two ratios the targets are stated in (also
+`ratios` in the JSON).
 """
 
 from __future__ import annotations
@@ -406,7 +410,7 @@ def main() -> None:
     out: dict[str, Any] = {"system": system_info(), "link": args.link, "model": {},
                            "samples_per_s": {},
                            "exposed_comm": {}, "step_ms": {}, "cpu_ms_per_step": {},
-                           "samples_per_s_best_window": {}}
+                           "samples_per_s_best_window": {}, "ratios": {}}
     for model in args.models.split(","):
         per_step, cpu, best = measure(model, names, args)
         out["cpu_ms_per_step"][model] = {n: 1e3 * c for n, c in cpu.items()}
@@ -418,6 +422,7 @@ def main() -> None:
         if "compute" in per_step:
             out["exposed_comm"][model] = {n: max(0.0, 1 - per_step["compute"] / s)
                                           for n, s in per_step.items() if n != "compute"}
+        out["ratios"][model] = ratios(out["samples_per_s"][model])
         table(model, out)
         if args.threads and WORLD.rank == 0:
             thread_table(model, args)
@@ -426,6 +431,33 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     finish()
+
+
+PEERS = ("naive", "horovod", "ddp")
+
+
+def ratios(sps: dict[str, float]) -> dict[str, Any]:
+    """The issue's two ratios: the best asynclock method over the best peer and
+    over compute only (each None where that row was not run)."""
+    mine = {n: v for n, v in sps.items() if n.startswith("asynclock")}
+    peers = {n: v for n, v in sps.items() if n in PEERS}
+    if not mine:
+        return {}
+    best = max(mine, key=mine.__getitem__)
+    peer = max(peers, key=peers.__getitem__) if peers else None
+    return {"best_asynclock": best, "best_peer": peer,
+            "vs_best_peer": sps[best] / sps[peer] if peer else None,
+            "vs_compute": sps[best] / sps["compute"] if "compute" in sps else None}
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """One line for the table: the ratios against issue 4's targets (1.2x, 0.8x)."""
+    parts = [f"best asynclock: {r['best_asynclock']}"]
+    if r["vs_best_peer"] is not None:
+        parts.append(f"{r['vs_best_peer']:.2f}x the best peer ({r['best_peer']}; target 1.2x)")
+    if r["vs_compute"] is not None:
+        parts.append(f"{r['vs_compute']:.2f}x compute only (target 0.8x)")
+    return ", ".join(parts)
 
 
 def table(model: str, out: dict[str, Any]) -> None:
@@ -442,6 +474,8 @@ def table(model: str, out: dict[str, Any]) -> None:
         extra = f"{exp[name]:.0%}" if name in exp else "-"
         print(f"  {name:20s} {v:8.1f} {best[name]:7.1f} {ms[name]:8.1f} {cpu[name]:7.1f}  "
               f"{extra}")
+    if out["ratios"][model]:
+        print(f"  {verdict(out['ratios'][model])}")
     sys.stdout.flush()
 
 

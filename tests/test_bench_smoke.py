@@ -42,6 +42,12 @@ def test_training_benchmark_runs_horovod_only_in_its_own_windows(tmp_path: Path)
                   "--methods", "compute,horovod,asynclock-gated", "--windows", "3",
                   "--steps", "2", "--warmup", "1", "--json", str(out), timeout=240, kind=kind)
     assert job.returncode == 0, job.explain()
-    figures = json.loads(out.read_text())["samples_per_s"]["mlp"]
+    written = json.loads(out.read_text())
+    figures = written["samples_per_s"]["mlp"]
     assert set(figures) == {"compute", "horovod", "asynclock-gated"}, figures
     assert all(v > 0 for v in figures.values()), figures
+    r = written["ratios"]["mlp"]
+    assert (r["best_asynclock"], r["best_peer"]) == ("asynclock-gated", "horovod"), r
+    assert r["vs_best_peer"] == figures["asynclock-gated"] / figures["horovod"], r
+    assert r["vs_compute"] == figures["asynclock-gated"] / figures["compute"], r
+    assert "best asynclock: asynclock-gated, " in job.output, job.explain()
