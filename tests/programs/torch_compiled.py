@@ -61,15 +61,21 @@ def check_plain_and_gated() -> None:
 
 
 class OutsideUse(torch.nn.Module):
-    """`head`'s parameters are read without calling `head`: its pre-hook never runs."""
+    """`stale`'s parameters are read without calling that module: its pre-hook never
+    runs. With "body", head's gradients arrive first and their buckets are already
+    on their way on every rank when the error stops backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, stale: str) -> None:
         super().__init__()
         torch.manual_seed(4)
         self.body, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.stale = stale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
+        linear = torch.nn.functional.linear
+        if self.stale == "head":
+            return linear(self.body(x), self.head.weight, self.head.bias)
+        return self.head(linear(x, self.body.weight, self.body.bias))
 
 
 class Tied(torch.nn.Module):
@@ -109,28 +115,31 @@ def check_tied_weights_gated() -> None:
     report(hvd.rank(), "tied_weights_gated")
 
 
-def check_stale_read_is_an_error() -> None:
-    """A gated parameter read before its deferred update fails loudly on every rank, at
-    the first gradient computed from the old value, instead of training on silently;
-    a parameter outside the gated model is refused when the optimizer is made."""
-    model = OutsideUse()
+def stale_read_fails(model: OutsideUse, stale: str) -> None:
     one_each = Tuning(bucket_cap_mb=1 / MiB, first_bucket_mb=1 / MiB, partition=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), gate_forward=model,
-                                   tuning=one_each)  # body's buckets do not carry head's
+                                   tuning=one_each)  # one module's buckets carry nothing else
     x, y = batch(0, hvd.size())
     for step in range(3):  # round 1 is applied at once (a re-plan follows); then deferred
         opt.zero_grad()
         try:
             loss_fn(model, x, y).backward()
         except RuntimeError as exc:
-            assert "the gradient of head." in str(exc), exc
+            assert f"the gradient of {stale}." in str(exc), exc
             assert "read the old value" in str(exc), exc
             assert step == 2, f"stale at step {step}"
-            break
-        opt.step()  # from round 2: head's update waits for a pre-hook that will not run
-    else:
-        raise AssertionError("a stale forward trained on")
+            return
+        opt.step()  # from round 2: the update waits for a pre-hook that will not run
+    raise AssertionError(f"a stale forward trained on ({stale})")
+
+
+def check_stale_read_is_an_error() -> None:
+    """A gated parameter read before its deferred update fails loudly on every rank, at
+    the first gradient computed from the old value, instead of training on silently;
+    a parameter outside the gated model is refused when the optimizer is made."""
+    for stale in ("head", "body"):
+        stale_read_fails(OutsideUse(stale), stale)
     other = mlp(seed=9)
     try:
         hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
