@@ -40,9 +40,10 @@ from .eager import eager, forget_compiled_code
 from .registry import ParamRegistry
 
 
-def _check_covered(model: torch.nn.Module, registry: ParamRegistry) -> None:
+def check_gate_covers(model: torch.nn.Module, registry: ParamRegistry) -> None:
     """Every reduced parameter needs a module in `model` whose pre-hook applies
-    its update; one outside it would be read before its update, silently."""
+    its update; one outside it would be read before its update, silently.
+    Called before any hook is registered, so a refusal leaves nothing behind."""
     owned = {id(p) for p in model.parameters()}
     stray = [registry.names[i] for i, p in enumerate(registry.params) if id(p) not in owned]
     if stray:
@@ -60,7 +61,6 @@ class ForwardGate:
         self.updates = updates
         self.enabled = True
         self._handles: list[Any] = []
-        _check_covered(model, registry)
         forget_compiled_code()  # before `eager` below imports Dynamo itself
         for module in model.modules():
             own = registry.indices(module.parameters(recurse=False))

@@ -27,7 +27,7 @@ from ..operation import Lane
 from ..ops import ReduceOp
 from .apply import only
 from .config import Tuning, build_options
-from .gate import ForwardGate
+from .gate import ForwardGate, check_gate_covers
 from .link import sync_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
@@ -54,19 +54,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         coord = runtime.coordinator()
         registry = ParamRegistry(self.param_groups, named_parameters)
         opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
+        if gate_model is not None:
+            check_gate_covers(gate_model, registry)
         link = sync_link(coord)
         self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
                                 _lane_for(coord, process_set))
         self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
-        self._gate = None if gate_model is None else ForwardGate(
-            gate_model, registry, self._reducer.updates)
-        self._traced = [] if gate_model is None else trace_module(gate_model)
-        if gate_model is not None:
-            self._reducer.bucketer.before = partial(self._reducer.updates.before_gradient,
-                                                    describe=registry.describe)
+        self._gate: ForwardGate | None = None
+        self._traced: list[Any] = []
         try:
+            if gate_model is not None:
+                self._gate = ForwardGate(gate_model, registry, self._reducer.updates)
+                self._traced = trace_module(gate_model)
+                self._reducer.bucketer.before = partial(self._reducer.updates.before_gradient,
+                                                        describe=registry.describe)
             coord.run_sync(self._reducer.check_signature)
         except BaseException:
             self._remove_hooks()

@@ -40,7 +40,7 @@ from ..runtime import Coordinator
 from .apply import only
 from .compression import Compression
 from .config import Tuning, build_options
-from .gate import ForwardGate
+from .gate import ForwardGate, check_gate_covers
 from .link import async_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
@@ -104,20 +104,29 @@ class TrainStep:
     async def _build(self) -> None:
         """First entry: a channel (a blocking collective, so in a worker thread),
         the hooks, and the cross-rank agreement on parameters and options."""
+        model = None
+        if self.mode is Finish.DEFERRED:
+            assert self.model is not None
+            model = self.model
+            check_gate_covers(model, self.registry)
         lane = await anyio.to_thread.run_sync(gradient_lane, self.coord)
         reducer = Reducer(self.coord, self.link, self.registry, self.options,
                           self._step_params, self._zero_params, lane)
         self._reducer = reducer
-        if self.mode is Finish.DEFERRED:
-            assert self.model is not None
-            self.gate = ForwardGate(self.model, self.registry, reducer.updates)
-            reducer.bucketer.before = partial(reducer.updates.before_gradient,
-                                              describe=self.registry.describe)
         try:
+            if model is not None:  # off the loop: it may import Dynamo (~0.7 s)
+                await anyio.to_thread.run_sync(self._make_gate, model, reducer)
+                reducer.bucketer.before = partial(reducer.updates.before_gradient,
+                                                  describe=self.registry.describe)
             await reducer.check_signature()
         except BaseException:
             self.close()
             raise
+
+    def _make_gate(self, model: torch.nn.Module, reducer: Reducer) -> None:
+        """Set `gate` in the worker thread itself: a cancelled wait for it then
+        still leaves the hooks where `close` finds them."""
+        self.gate = ForwardGate(model, self.registry, reducer.updates)
 
     def close(self) -> None:
         """Remove every hook; the optimizer and model are plain torch again."""

@@ -149,6 +149,9 @@ def check_stale_read_is_an_error() -> None:
         assert "are not in the gated model" in str(exc) and "'2.weight'" in str(exc), exc
     else:
         raise AssertionError("a gate without the optimizer's parameters was accepted")
+    left = [n for n, p in other.named_parameters()
+            if p._post_accumulate_grad_hooks or p._backward_hooks]
+    assert not left, f"the refused optimizer left hooks on {left}"
     report(hvd.rank(), "stale_read_error")
 
 
