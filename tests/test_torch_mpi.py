@@ -164,6 +164,12 @@ def test_train_step_modes_bit_identical(nranks: int, loop: str, transport: str,
 
 
 @async_cases
+def test_sparse_gradients_and_a_refused_gate_in_the_train_step(
+        nranks: int, loop: str, transport: str, backend: str) -> None:
+    async_labels(nranks, loop, transport, backend, "sparse_gated_refused_gate")
+
+
+@async_cases
 def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, transport: str,
                                                       backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "cancel_during_backward")
