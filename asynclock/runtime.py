@@ -52,10 +52,10 @@ def under_horovodrun() -> bool:
 
 def mpi_world_launched() -> bool:
     """The ranks were started by an MPI launcher, so mpi4py sees the whole job."""
-    if os.environ.get("HOROVOD_CONTROLLER", "").lower() == "gloo":
-        return False  # horovodrun --gloo: mpi4py would see one singleton rank
-    return os.environ.get("HOROVOD_CONTROLLER", "").lower() == "mpi" or any(
-        v in os.environ for v in _MPI_LAUNCHER_ENV)
+    controller = os.environ.get("HOROVOD_CONTROLLER", "").lower()
+    if controller in ("gloo", "mpi"):  # gloo: mpi4py would see one singleton rank
+        return controller == "mpi"
+    return any(v in os.environ for v in _MPI_LAUNCHER_ENV)
 
 
 def _horovod_importable() -> bool:

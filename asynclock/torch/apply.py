@@ -54,8 +54,9 @@ class Updates:
     def __init__(self, params: list[torch.nn.Parameter], unpack: Callable[[StepRun, int], None],
                  step: Callable[[list[torch.nn.Parameter]], None],
                  zero: Callable[[list[torch.nn.Parameter], bool], None],
-                 on_loop_thread: Callable[[], bool]) -> None:
+                 on_loop_thread: Callable[[], bool], describe: Callable[[int], str]) -> None:
         self.params = params
+        self._describe = describe  # a parameter's name, dtype and shape, for errors
         self._on_loop_thread = on_loop_thread
         self._unpack, self._step, self._zero = unpack, step, zero
         self._lock = threading.RLock()
@@ -100,7 +101,7 @@ class Updates:
                 self._unpack(run, k)
             self._step_ready(run)
 
-    def before_gradient(self, i: int, describe: Callable[[int], str]) -> None:
+    def before_gradient(self, i: int) -> None:
         """Parameter i's gradient is about to land in `.grad` (gated forward).
 
         Its module's forward pre-hook applies its deferred update before the
@@ -111,7 +112,7 @@ class Updates:
         """
         run = self.pending
         if run is not None and not run.stepped[i]:
-            raise RuntimeError(STALE_FORWARD.format(describe(i)))
+            raise RuntimeError(STALE_FORWARD.format(self._describe(i)))
         self.ensure((i,))
 
     def flush(self) -> None:

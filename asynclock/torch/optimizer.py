@@ -17,7 +17,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -68,8 +67,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if gate_model is not None:
                 self._gate = ForwardGate(gate_model, registry, self._reducer.updates)
                 self._traced = trace_module(gate_model)
-                self._reducer.bucketer.before = partial(self._reducer.updates.before_gradient,
-                                                        describe=registry.describe)
+                self._reducer.bucketer.before = self._reducer.updates.before_gradient
             coord.run_sync(self._reducer.check_signature)
         except BaseException:
             self._remove_hooks()
@@ -184,7 +182,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
         return adasum_optimizer(optimizer, compression)
     del sparse_as_dense  # sparse gradients always travel dense here (storage._dense)
-    _check_dense_gradients_welcome(optimizer)
+    _refuse_sparse_only_optimizer(optimizer)
     from .compression import Compression
 
     options = {"compression": compression or Compression.none,
@@ -199,7 +197,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                gate_forward, process_set)
 
 
-def _check_dense_gradients_welcome(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Reduced gradients come back dense (Horovod's `sparse_as_dense=True`), which
     SparseAdam refuses at its first step; say so at once, on every rank."""
     if isinstance(optimizer, torch.optim.SparseAdam):

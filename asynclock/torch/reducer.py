@@ -150,7 +150,7 @@ class Reducer:
         self.storage.writable = self._writable
         self._zero = zero
         self.updates = Updates(registry.params, self.unpack, step, self._zero_grads,
-                               link.on_loop_thread)
+                               link.on_loop_thread, registry.describe)
         self.bucketer.register()
         _live.add(self)
 

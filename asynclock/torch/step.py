@@ -116,8 +116,7 @@ class TrainStep:
         try:
             if model is not None:  # off the loop: it may import Dynamo (~0.7 s)
                 await anyio.to_thread.run_sync(self._make_gate, model, reducer)
-                reducer.bucketer.before = partial(reducer.updates.before_gradient,
-                                                  describe=self.registry.describe)
+                reducer.bucketer.before = reducer.updates.before_gradient
             await reducer.check_signature()
         except BaseException:
             self.close()

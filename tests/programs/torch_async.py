@@ -14,7 +14,18 @@ from collections.abc import Awaitable, Callable
 import anyio
 import torch
 from _common import report, run
-from torch_common import assert_close, batch, flat, loss_fn, mlp, reference_grads, shard
+from torch_common import (
+    BagOfTokens,
+    assert_close,
+    batch,
+    flat,
+    hooked,
+    loss_fn,
+    mlp,
+    reference_grads,
+    shard,
+    token_loss,
+)
 
 import asynclock
 from asynclock.torch import Tuning, broadcast_parameters_async
@@ -172,36 +183,11 @@ async def check_cancel_during_backward(c: asynclock.Coordinator) -> None:
     report(c.rank, "cancel_during_backward")
 
 
-class Bag(torch.nn.Module):
-    """Mean of token embeddings under a head; `sparse=True` gives sparse gradients."""
-
-    def __init__(self, sparse: bool) -> None:
-        super().__init__()
-        torch.manual_seed(31)
-        self.emb = torch.nn.Embedding(20, 4, sparse=sparse)
-        self.head = torch.nn.Linear(4, 3)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(tokens).mean(dim=1))
-
-
-def token_loss(step: int, rank: int) -> Callable[[torch.nn.Module], torch.Tensor]:
-    """Rank r's batch also uses tokens of its own range: ranks touch different rows."""
-    def loss(model: torch.nn.Module) -> torch.Tensor:
-        g = torch.Generator().manual_seed(3000 + 17 * step + rank)
-        tokens = torch.cat([torch.randint(0, 6, (3, 2), generator=g),
-                            torch.randint(6 + 4 * rank, 10 + 4 * rank, (3, 2), generator=g)], 1)
-        y = torch.randint(0, 3, (3,), generator=g)
-        return torch.nn.functional.cross_entropy(model(tokens), y)
-
-    return loss
-
-
 async def check_sparse_gated_and_refused_gate(c: asynclock.Coordinator) -> None:
     """A sparse embedding trains under a gated train step like a dense one in one
     process; a gate that misses some of the optimizer's parameters is refused on
     entry, on every rank, and leaves no hook behind."""
-    model, ref = Bag(sparse=True), Bag(sparse=False)
+    model, ref = BagOfTokens(seed=31), BagOfTokens(seed=31, sparse=False)
     step = c.train_step(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
                         gate_forward=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -223,9 +209,7 @@ async def check_sparse_gated_and_refused_gate(c: asynclock.Coordinator) -> None:
             raise AssertionError("entered a gated step that misses parameters")
     except ValueError as exc:
         assert "are not in the gated model" in str(exc), exc
-    left = [n for n, p in other.named_parameters()
-            if p._post_accumulate_grad_hooks or p._backward_hooks]
-    assert not left, f"the refused step left hooks on {left}"
+    assert not hooked(other), f"the refused step left hooks on {hooked(other)}"
     report(c.rank, "sparse_gated_refused_gate")
 
 

@@ -72,3 +72,35 @@ def assert_same_on_all_ranks(model: torch.nn.Module, gather: Callable[[torch.Ten
     rows = gather(flat(model)[None])
     for r in range(1, rows.shape[0]):
         assert torch.equal(rows[0], rows[r]), f"{what}: rank {r} differs from rank 0"
+
+
+class BagOfTokens(torch.nn.Module):
+    """Mean of token embeddings under a head; `sparse=True`: sparse gradients."""
+
+    def __init__(self, seed: int, sparse: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(20, 4, sparse=sparse)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(dim=1))
+
+
+def token_loss(step: int, rank: int) -> Callable[[torch.nn.Module], torch.Tensor]:
+    """Rank `rank`'s loss at `step`; its batch also uses tokens of its own range, so
+    ranks touch different embedding rows."""
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        g = torch.Generator().manual_seed(2000 + 31 * step + rank)
+        tokens = torch.cat([torch.randint(0, 6, (3, 2), generator=g),
+                            torch.randint(6 + 4 * rank, 10 + 4 * rank, (3, 2), generator=g)], 1)
+        y = torch.randint(0, 3, (3,), generator=g)
+        return torch.nn.functional.cross_entropy(model(tokens), y)
+
+    return loss
+
+
+def hooked(model: torch.nn.Module) -> list[str]:
+    """Names of `model`'s parameters that still carry gradient hooks."""
+    return [n for n, p in model.named_parameters()
+            if p._post_accumulate_grad_hooks or p._backward_hooks]

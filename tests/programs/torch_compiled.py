@@ -13,7 +13,7 @@ import copy
 
 import torch
 from _common import report
-from torch_common import assert_close, batch, flat, loss_fn, mlp, shard
+from torch_common import assert_close, batch, flat, hooked, loss_fn, mlp, shard
 
 import asynclock.torch as hvd
 from asynclock.torch import Tuning
@@ -149,9 +149,7 @@ def check_stale_read_is_an_error() -> None:
         assert "are not in the gated model" in str(exc) and "'2.weight'" in str(exc), exc
     else:
         raise AssertionError("a gate without the optimizer's parameters was accepted")
-    left = [n for n, p in other.named_parameters()
-            if p._post_accumulate_grad_hooks or p._backward_hooks]
-    assert not left, f"the refused optimizer left hooks on {left}"
+    assert not hooked(other), f"the refused optimizer left hooks on {hooked(other)}"
     report(hvd.rank(), "stale_read_error")
 
 

@@ -14,6 +14,7 @@ from _common import report
 from torch_common import (
     ATOL,
     RTOL,
+    BagOfTokens,
     assert_close,
     assert_same_on_all_ranks,
     batch,
@@ -22,6 +23,7 @@ from torch_common import (
     mlp,
     reference_grads,
     shard,
+    token_loss,
 )
 
 import asynclock.torch as hvd
@@ -381,27 +383,10 @@ def check_bucket_mismatch() -> None:
     report(hvd.rank(), "mismatch_buckets")
 
 
-class BagOfTokens(torch.nn.Module):
-    """A sparse embedding (`sparse=True`: autograd yields sparse gradients) under a head."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(20, 4, sparse=True)
-        self.head = torch.nn.Linear(4, 3)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(tokens).mean(dim=1))
-
-
-def token_loss(step: int) -> object:
-    """Rank r's batch uses tokens from its own range too, so ranks touch different rows."""
+def token_step(step: int) -> object:
+    """This rank's token loss at `step`, taking any rank's (`reference_grads` form)."""
     def loss(model: torch.nn.Module, r: int = hvd.rank()) -> torch.Tensor:
-        g = torch.Generator().manual_seed(2000 + 31 * step + r)
-        tokens = torch.cat([torch.randint(0, 6, (3, 2), generator=g),
-                            torch.randint(6 + 4 * r, 10 + 4 * r, (3, 2), generator=g)], dim=1)
-        y = torch.randint(0, 3, (3,), generator=g)
-        return torch.nn.functional.cross_entropy(model(tokens), y)
+        return token_loss(step, r)(model)
 
     return loss
 
@@ -414,7 +399,7 @@ def check_sparse_gradients() -> None:
         model = BagOfTokens(seed=21)
         opt = sgd(model, sparse_as_dense=as_dense)
         for step in range(3):
-            loss = token_loss(step)
+            loss = token_step(step)
             want = [w.to_dense() for w in reference_grads(model, hvd.size(), loss)]
             opt.zero_grad()
             loss(model).backward()
@@ -428,11 +413,11 @@ def check_sparse_gradients() -> None:
     model = BagOfTokens(seed=22)  # two passes per step: sparse rows add into the dense sum
     opt = sgd(model, backward_passes_per_step=2)
     want = [a.to_dense() + b.to_dense() for a, b in zip(
-        reference_grads(model, hvd.size(), token_loss(5)),
-        reference_grads(model, hvd.size(), token_loss(6)), strict=True)]
+        reference_grads(model, hvd.size(), token_step(5)),
+        reference_grads(model, hvd.size(), token_step(6)), strict=True)]
     opt.zero_grad()
-    token_loss(5)(model).backward()
-    token_loss(6)(model).backward()
+    token_step(5)(model).backward()
+    token_step(6)(model).backward()
     opt.synchronize()
     for (name, p), w in zip(model.named_parameters(), want, strict=True):
         assert_close(p.grad, w, f"sparse, 2 passes {name}")
