@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -46,6 +47,30 @@ def only(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> It
     finally:
         for group, ps in zip(optimizer.param_groups, saved, strict=True):
             group["params"] = ps
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every group's settings but its parameters, as they are now."""
+    return [{k: v for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups]
+
+
+@contextmanager
+def settings_of(optimizer: torch.optim.Optimizer,
+                values: list[dict[str, Any]] | None) -> Iterator[None]:
+    """Temporarily give the groups `values`: a deferred update applies the settings
+    its round's `step()` saw, not what an LR scheduler set after it."""
+    if values is None:
+        yield
+        return
+    saved = hyperparameters(optimizer)
+    try:
+        for group, v in zip(optimizer.param_groups, values, strict=True):
+            group.update(v)
+        yield
+    finally:
+        for group, v in zip(optimizer.param_groups, saved, strict=True):
+            group.update(v)
 
 
 class Updates:

@@ -24,12 +24,14 @@ import torch
 from .. import runtime
 from ..operation import Lane
 from ..ops import ReduceOp
-from .apply import only
+from .apply import hyperparameters, only, settings_of
 from .config import Tuning, build_options
 from .gate import ForwardGate, check_gate_covers
 from .link import sync_link
-from .reducer import Finish, Params, Reducer, gradient_lane
+from .reducer import Finish, Params, ReduceOptions, Reducer, gradient_lane
 from .registry import ParamRegistry
+from .shard import Shards, check_shardable, refuse_unsharded
+from .shm import eligible
 from .tracing import step_span, trace_module
 
 ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -48,7 +50,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, named_parameters: Any, options: dict[str, Any],
                  tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None,
-                 process_set: Any = None) -> None:
+                 process_set: Any = None, shard: bool = False) -> None:
         self._base_class.__init__(self, params)  # type: ignore[call-arg]
         coord = runtime.coordinator()
         registry = ParamRegistry(self.param_groups, named_parameters)
@@ -56,8 +58,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if gate_model is not None:
             check_gate_covers(gate_model, registry)
         link = sync_link(coord)
+        lane = _lane_for(coord, process_set)
+        if shard:
+            check_shard_transport(coord, lane, opts)
         self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
-                                _lane_for(coord, process_set))
+                                lane)
+        self._shard_wanted = shard
+        self._settings: list[dict[str, Any]] | None = None  # the round's group settings
+        self._shards: Shards | None = None
+        if shard:
+            self._reducer.after_replan = self._switch_to_shards
         self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
@@ -82,12 +92,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- applying updates (called by the reducer) --------------------------------------
     def _step_params(self, params: Params) -> None:
-        with step_span():
+        if self._shards is not None:
+            return  # each rank's pipeline updated its own pieces as they were reduced
+        with step_span(), settings_of(self, self._settings):
             if len(params) == len(self._reducer.registry.params):
                 self._base_class.step(self)
                 return
             with only(self, params):
                 self._base_class.step(self)
+
+    def _switch_to_shards(self) -> None:
+        """After round 1 (applied whole, every rank alike): parameters and state move
+        into the node's window and each rank keeps its own pieces (`shard`)."""
+        reducer = self._reducer
+        transport = reducer.transport
+        if transport is None or transport.pipeline is None or transport.arena is None:
+            raise RuntimeError("shard_optimizer=True: not every rank could use the shared-"
+                               "memory window, so the optimizer cannot be sharded")
+        shards = Shards(transport.arena.node, self, self._base_class, reducer.registry,
+                        reducer.plan, reducer.storage.flat)
+        shards.switch()
+        transport.pipeline.shard = shards
+        self._shards = shards
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
         with only(self, params):
@@ -96,12 +122,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- Horovod's API ---------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (launching whatever did not launch)."""
+        if self._shard_wanted:
+            raise refuse_unsharded("optimizer.synchronize()")
         self._reducer.synchronize()
         self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """`step()` inside this block does not synchronize (after a manual one)."""
+        if self._shard_wanted:
+            raise refuse_unsharded("optimizer.skip_synchronize()")
         self._should_synchronize = False
         try:
             yield
@@ -115,13 +145,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._synchronized:
             warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
         self._synchronized = False
+        if closure is not None and self._shard_wanted:
+            raise refuse_unsharded("optimizer.step(closure)")
         mode = Finish.WHOLE if closure is not None else self._mode
         if mode is Finish.WHOLE:
             self._reducer.synchronize()
             with step_span():
                 return self._base_class.step(self, closure)
-        self._reducer.finish(self._reducer.close_round(), mode)
+        run = self._reducer.close_round()  # applies the last deferred round, its settings
+        self._settings = hyperparameters(self)  # this round's, however late it is applied
+        if self._shards is not None:
+            self._shards.hand_hyper()
+            self._wake_pipeline()
+        self._reducer.finish(run, mode)
         return None
+
+    def _wake_pipeline(self) -> None:
+        transport = self._reducer.transport
+        if transport is not None and transport.pipeline is not None:
+            transport.pipeline.wake()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer.bucketer.active is not None:
@@ -153,15 +195,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("forward gating was not set up: pass gate_forward=model")
         self.apply_pending()
         self._gate.enabled = enabled
-        self._mode = Finish.DEFERRED if enabled else Finish.WHOLE
+        self._mode = Finish.DEFERRED if enabled else self._plain_mode()
+
+    def _plain_mode(self) -> Finish:
+        """Sharded: `step()` waits for every bucket as its pieces are updated (the
+        whole-step path would apply the user's optimizer to whole parameters)."""
+        return Finish.PER_BUCKET if self._shard_wanted else Finish.WHOLE
 
     def state_dict(self) -> dict[str, Any]:
+        """Sharded: the whole state, read from the node's window on this rank alone."""
         self.apply_pending()
-        return self._base_class.state_dict(self)
+        if self._shards is None:
+            return self._base_class.state_dict(self)
+        self.state.update(self._shards.gathered_state())
+        try:
+            return self._base_class.state_dict(self)
+        finally:
+            self.state.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.apply_pending()
         self._base_class.load_state_dict(self, state_dict)
+        if self._shards is not None:
+            self._shards.load(self.state)
+            self.state.clear()
+
+    @property
+    def sharded(self) -> Shards | None:
+        """The node's shared parameters and this rank's pieces, once sharding started."""
+        return self._shards
 
     @property
     def reducer(self) -> Reducer:
@@ -175,8 +237,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = None, *, per_bucket_step: bool = False,
                          gate_forward: torch.nn.Module | None = None,
-                         tuning: Tuning | None = None) -> Any:
-    """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks."""
+                         tuning: Tuning | None = None, shard_optimizer: bool = False) -> Any:
+    """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks.
+
+    `shard_optimizer=True` (one node, MPI): parameters and optimizer state are kept
+    once per node and each rank updates only the chunks it reduces (`shard`)."""
     if isinstance(op, str) and op.lower() == "adasum":
         from .adasum_optimizer import adasum_optimizer
 
@@ -185,16 +250,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     _refuse_sparse_only_optimizer(optimizer)
     from .compression import Compression
 
+    if shard_optimizer:
+        check_shardable(optimizer, compressed=compression not in (None, Compression.none),
+                        process_set=process_set, groups=groups or num_groups)
     options = {"compression": compression or Compression.none,
                "backward_passes_per_step": backward_passes_per_step, "op": op,
                "gradient_predivide_factor": gradient_predivide_factor,
                "groups": groups if groups is not None else (num_groups or None)}
     mode = (Finish.DEFERRED if gate_forward is not None
-            else Finish.PER_BUCKET if per_bucket_step else Finish.WHOLE)
+            else Finish.PER_BUCKET if per_bucket_step or shard_optimizer else Finish.WHOLE)
     base = optimizer.__class__
     cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
     return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
-               gate_forward, process_set)
+               gate_forward, process_set, shard_optimizer)
 
 
 def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -204,6 +272,14 @@ def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError("DistributedOptimizer reduces sparse gradients as dense ones "
                          "(Horovod's sparse_as_dense=True), and SparseAdam takes sparse "
                          "gradients only: use torch.optim.Adam (or SGD) instead")
+
+
+def check_shard_transport(coord: Any, lane: Lane, options: ReduceOptions) -> None:
+    """Sharding lives in the shared-memory window: say at once when there is none."""
+    if not (options.shm and options.replan and eligible(coord, lane)):
+        raise ValueError("shard_optimizer=True needs the shared-memory window: every rank "
+                         "on one node, the MPI backend with MPI_THREAD_MULTIPLE, and "
+                         "Tuning(shm=True, replan=True) (ASYNCLOCK_SHM not 0)")
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer

@@ -52,6 +52,10 @@ _lanes: weakref.WeakKeyDictionary[Coordinator, int] = weakref.WeakKeyDictionary(
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()
 
 
+def _nothing() -> None:
+    return None
+
+
 def quiesce_all() -> None:
     """Before shutdown: every live reducer applies deferred updates and waits
     until its last round released the shared buffers (nothing left in flight)."""
@@ -149,6 +153,8 @@ class Reducer:
         self._previous: StepRun | None = None  # the last closed round
         self.storage.writable = self._writable
         self._zero = zero
+        # runs once the first round's update is applied on the agreed plan (`shard`)
+        self.after_replan: Callable[[], None] = _nothing
         self.updates = Updates(registry.params, self.unpack, step, self._zero_grads,
                                link.on_loop_thread, registry.describe)
         self.bucketer.register()
@@ -313,10 +319,11 @@ class Reducer:
             raise run.release_error
 
     # -- the one-time re-plan ------------------------------------------------------
-    def maybe_replan(self, run: StepRun) -> None:
-        """After the first complete round: adopt rank 0's observed order everywhere."""
+    def maybe_replan(self, run: StepRun) -> bool:
+        """After the first complete round: adopt rank 0's observed order everywhere
+        (True when it did so now)."""
         if not self.replan_due:
-            return
+            return False
         self.replan_due = False
         mine = (self._proposal(run) if self.grad_lane.rank == 0 else None,
                 self.options.shm and eligible(self.coord, self.grad_lane))
@@ -324,13 +331,14 @@ class Reducer:
             every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
         except JoinedError:  # a rank joined before its first round: re-plan when all are back
             self.replan_due = True
-            return
+            return False
         order, launch = every[0][0]
         shm = all(ok for _, ok in every)
         # rank 0 timed round 1's allreduces; shared-memory buckets keep pace with
         # backward, so they simply go in ready order (a priority order would make
         # early buckets wait for late ones in the one-at-a-time pipeline)
         self._adopt(self._plan(list(order), None if shm else launch), shm)
+        return True
 
     def _proposal(self, run: StepRun) -> tuple[list[int], tuple[int, ...] | None]:
         order = list(run.final_order)
@@ -383,8 +391,10 @@ class Reducer:
         """
         if self.replan_due or mode is Finish.WHOLE:
             self.complete(run)
-            self.maybe_replan(run)
+            replanned = self.maybe_replan(run)
             self.updates.whole(run)
+            if replanned:
+                self.after_replan()
         elif mode is Finish.PER_BUCKET:
             self.updates.per_bucket(run)
         else:

@@ -44,6 +44,7 @@ from ..progress import InflightOp
 from ..threadsafe import name_os_thread
 from . import futex
 from .buckets import Bucket, Plan
+from .shard import Shards
 from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
 
 PACKED, REDUCED, GATHERED, ABORTED, STARTED = range(5)
@@ -72,6 +73,8 @@ class RoundJob:
     published: int = 0
     reduced: int = 0
     gathered: int = 0
+    updated: int = 0  # sharded: positions whose pieces this rank has stepped
+    hyper: Any = None  # sharded: the round's hyperparameters, once its step() handed them
 
 
 class ShmPipeline:
@@ -83,6 +86,7 @@ class ShmPipeline:
                  handed: HandedGrads | None = None) -> None:
         self.arena, self.plan, self.peers, self.post = arena, plan, peers, post
         self.handed = handed  # gradients hooks did not copy (see shm_chunks)
+        self.shard: Shards | None = None  # set: update my chunks, copy nothing back (shard)
         self.me, self.n = arena.rank, arena.size
         self._call_soon, self._failure = call_soon, failure
         self._jobs: deque[RoundJob] = deque()
@@ -115,6 +119,10 @@ class ShmPipeline:
 
     def packed(self, job: RoundJob, launched: int) -> None:
         job.launched = launched
+        self.ring(self.me, "local")
+
+    def wake(self) -> None:
+        """Look at the round again now (its `step()` handed what it waited for)."""
         self.ring(self.me, "local")
 
     def stop(self) -> None:
@@ -236,9 +244,12 @@ class ShmPipeline:
         packed = self._least(PACKED, base, b)
         if packed > job.reduced:
             self._reduce_positions(job, range(job.reduced, packed))
-            self._publish(REDUCED, base + packed)
             job.reduced = packed
+            if self.shard is None:
+                self._publish(REDUCED, base + packed)
             return True
+        if self.shard is not None and job.reduced > job.updated:
+            return self._update_positions(job, self.shard, base)
         reduced = self._least(REDUCED, base, b)
         if reduced > job.gathered:
             return self._gather_positions(job, range(job.gathered, reduced))
@@ -272,6 +283,20 @@ class ShmPipeline:
     def _reduce_positions(self, job: RoundJob, positions: range) -> None:
         for p in positions:
             self._reduce(self.plan.buckets[job.order[p]])
+
+    def _update_positions(self, job: RoundJob, shard: Shards, base: int) -> bool:
+        """Sharded: step my pieces of the reduced buckets, then say REDUCED (peers read
+        the parameters after that). Waits for the round's `step()`, which hands over its
+        hyperparameters: a bucket reduced during backward is not updated before it."""
+        if job.hyper is None:
+            job.hyper = shard.take_hyper()
+            if job.hyper is None:
+                return False  # step() not called yet: it rings this bell
+        for p in range(job.updated, job.reduced):
+            shard.step_bucket(job.order[p], job.hyper)
+        job.updated = job.reduced
+        self._publish(REDUCED, base + job.updated)
+        return True
 
     def _gather_positions(self, job: RoundJob, positions: range) -> bool:
         for p in positions:
@@ -329,6 +354,8 @@ class ShmPipeline:
             self.handed.drop(b.index)
 
     def _gather(self, b: Bucket) -> None:
+        if self.shard is not None:
+            return  # parameters are shared: every rank's update is already in place
         bufs = self.peers[b.group]
         for q in range(self.n):
             if q != self.me:

@@ -37,7 +37,7 @@ import torch
 
 from ..ops import ReduceOp
 from ..runtime import Coordinator
-from .apply import only
+from .apply import hyperparameters, only, settings_of
 from .compression import Compression
 from .config import Tuning, build_options
 from .gate import ForwardGate, check_gate_covers
@@ -94,6 +94,7 @@ class TrainStep:
         self._backwards = 0
         self._steps = 0
         self.closed = False
+        self._settings: list[dict[str, Any]] | None = None  # the round's group settings
 
     @property
     def reducer(self) -> Reducer:
@@ -137,7 +138,7 @@ class TrainStep:
 
     # -- applying updates (called by the reducer in a worker thread) -------------------
     def _step_params(self, params: Params) -> None:
-        with only(self.optimizer, params):
+        with only(self.optimizer, params), settings_of(self.optimizer, self._settings):
             self.optimizer.step()
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
@@ -204,7 +205,8 @@ class TrainStep:
 
     def _finish(self) -> None:
         """Worker thread: close the round, then wait, unpack and apply per the mode."""
-        run = self.reducer.close_round()
+        run = self.reducer.close_round()  # applies the last deferred round, its settings
+        self._settings = hyperparameters(self.optimizer)  # this round's, however late applied
         self.reducer.finish(run, self.mode)
         if self.zero_grad:
             self.reducer.updates.zero_grad(True)

@@ -1,0 +1,172 @@
+"""`DistributedOptimizer(shard_optimizer=True)`: one copy of parameters and state per
+node, each rank updating the chunks it reduces.
+
+Every check compares with the same optimizer run in one process over the
+global batch (`torch_common`); small buckets that cut parameters make the
+pieces cross parameter boundaries, and every rank owns some of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import report
+from torch_common import assert_close, batch, flat, loss_fn, mlp, shard
+
+import asynclock.torch as hvd
+from asynclock.torch import Tuning
+
+MiB = 1 << 20
+SMALL = Tuning(bucket_cap_mb=40 / MiB, first_bucket_mb=24 / MiB)  # pieces cut parameters
+Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, tuple[Factory, float]] = {  # (make, tolerance)
+    "sgd": (lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True,
+                                      weight_decay=1e-3), 1e-5),
+    "adam": (lambda g: torch.optim.Adam(g, lr=0.01, amsgrad=True), 1e-4),
+    "adamw": (lambda g: torch.optim.AdamW(g, lr=0.01, weight_decay=0.1), 1e-4),
+}
+
+
+def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Two groups with different learning rates (a scheduler scales both)."""
+    ps = list(model.parameters())
+    return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.05}]
+
+
+def local_step(model: torch.nn.Module, step: int) -> None:
+    x, y = batch(step, hvd.size())
+    r, n = hvd.rank(), hvd.size()
+    loss_fn(model, shard(x, r, n), shard(y, r, n)).backward()
+
+
+def reference(make: Factory, steps: int, model: torch.nn.Module | None = None,
+              opt: torch.optim.Optimizer | None = None) -> tuple[torch.nn.Module, Any]:
+    """`steps` steps of the same optimizer in this process over the global batch."""
+    model = model or mlp(seed=5)
+    opt = opt or make(groups(model))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(steps):
+        x, y = batch(step, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        sched.step()
+    return model, opt
+
+
+def sharded(make: Factory, gated: bool = False,
+            model: torch.nn.Module | None = None) -> tuple[torch.nn.Module, Any]:
+    model = model or mlp(seed=5)
+    opt = hvd.DistributedOptimizer(make(groups(model)), named_parameters=model.named_parameters(),
+                                   tuning=SMALL, shard_optimizer=True,
+                                   gate_forward=model if gated else None)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: Any, steps: int, first: int = 0) -> None:
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(first):
+        sched.step()
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        local_step(model, step)
+        opt.step()
+        sched.step()
+    opt.apply_pending()
+
+
+def check_matches_global_batch() -> None:
+    """Plain and gated, three optimizers: parameters as in one process; each rank holds
+    state for its own pieces only, and the parameters are the window's."""
+    for name, (make, tol) in OPTIMIZERS.items():
+        want = flat(reference(make, 6)[0])
+        for gated in (False, True):
+            model, opt = sharded(make, gated)
+            train(model, opt, 6)
+            assert_close(flat(model), want, f"{name} gated={gated}", rtol=tol, atol=tol)
+            assert_one_copy_and_a_share_of_state(model, opt)
+    report(hvd.rank(), "sharded_matches_global_batch")
+
+
+def assert_one_copy_and_a_share_of_state(model: torch.nn.Module, opt: Any) -> None:
+    shards = opt.sharded
+    assert shards is not None, "never switched to shards"
+    for i, p in enumerate(model.parameters()):
+        assert p.data_ptr() == shards.param(i).data_ptr(), f"parameter {i} is not the window's"
+    assert len(opt.state) == 0, "the user's optimizer kept whole-parameter state"
+    mine = sum(sub.numel() for inner, _ in shards.inner.values()
+               for group in inner.param_groups for sub in group["params"])
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(mine - total / hvd.size()) <= len(shards.pieces), (mine, total)
+
+
+def check_checkpoint() -> None:
+    """state_dict() on rank 0 alone equals the single-process optimizer's; loading a
+    checkpoint into a running sharded optimizer (and model) resumes exactly."""
+    make, tol = OPTIMIZERS["adam"]
+    ref_model, ref_opt = reference(make, 3)
+    model, opt = sharded(make)
+    train(model, opt, 3)
+    if hvd.rank() == 0:  # the others do not take part: no collective inside
+        assert_state_equal(opt.state_dict(), ref_opt.state_dict(), tol)
+    hvd.allreduce(torch.zeros(1), name="ckpt.read")  # rank 0 read before anyone moves on
+    want = flat(reference(make, 6)[0])
+    model.load_state_dict(ref_model.state_dict())
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    train(model, opt, 3, first=3)
+    assert_close(flat(model), want, "resumed", rtol=tol, atol=tol)
+    report(hvd.rank(), "sharded_checkpoint")
+
+
+def assert_state_equal(got: dict[str, Any], want: dict[str, Any], tol: float) -> None:
+    assert got["param_groups"] == want["param_groups"], (got["param_groups"],
+                                                         want["param_groups"])
+    assert got["state"].keys() == want["state"].keys()
+    for i, state in want["state"].items():
+        assert got["state"][i].keys() == state.keys(), (i, got["state"][i].keys())
+        for key, value in state.items():
+            assert_close(got["state"][i][key], value, f"state {i} {key}", rtol=tol, atol=tol)
+
+
+def check_refusals() -> None:
+    """What sharding cannot do raises the same clear error on every rank."""
+    model = mlp(seed=1)
+    expect(ValueError, "elementwise", lambda: hvd.DistributedOptimizer(
+        torch.optim.LBFGS(model.parameters()), shard_optimizer=True))
+    expect(ValueError, "compression", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True,
+        compression=hvd.Compression.fp16))
+    expect(ValueError, "shared-memory window", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True,
+        tuning=Tuning(shm=False)))
+    _, opt = sharded(OPTIMIZERS["sgd"][0], model=model)
+    local_step(model, 0)
+    expect(RuntimeError, "not available with shard_optimizer", opt.synchronize)
+    opt.step()
+    report(hvd.rank(), "sharded_refusals")
+
+
+def expect(kind: type[BaseException], text: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except kind as exc:
+        assert text in str(exc), f"{text!r} not in {exc}"
+        return
+    raise AssertionError(f"no {kind.__name__} ({text})")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    hvd.init()
+    check_matches_global_batch()
+    check_checkpoint()
+    check_refusals()
+    report(hvd.rank(), "done")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
