@@ -21,6 +21,9 @@ time / method step time. Methods:
 * asynclock-bucket: the same, optimizer applied per bucket as buckets arrive;
 * asynclock-gated: the same, next forward gated per layer (agreed priority order);
 * asynclock-gated-mpi: gated, buckets as MPI allreduces instead of the shared window;
+* asynclock-sharded: `shard_optimizer=True`: parameters and optimizer state once per
+  node, each rank updating the chunks it reduces (one node only);
+* asynclock-sharded-gated: the same with the next forward gated per layer;
 * asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread;
 * asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads).
 
@@ -55,8 +58,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", help="write the figures here (rank 0)")
     p.add_argument("--models", default="mlp,cnn")
     p.add_argument("--methods", default="compute,naive,horovod,ddp,asynclock,"
-                   "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-async,"
-                   "asynclock-async-hvd")
+                   "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-sharded,"
+                   "asynclock-sharded-gated,asynclock-async,asynclock-async-hvd")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4, help="steps per method before timing")
     p.add_argument("--windows", type=int, default=7)
@@ -290,6 +293,9 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
     "asynclock-bucket": lambda t, a: asynclock_opt(t, a, per_bucket_step=True),
     "asynclock-gated": lambda t, a: asynclock_opt(t, a, gate_forward=t.model),
     "asynclock-gated-mpi": lambda t, a: asynclock_opt(t, a, False, gate_forward=t.model),
+    "asynclock-sharded": lambda t, a: asynclock_opt(t, a, shard_optimizer=True),
+    "asynclock-sharded-gated": lambda t, a: asynclock_opt(t, a, shard_optimizer=True,
+                                                          gate_forward=t.model),
     "asynclock-async": asynclock_async,
     "asynclock-async-hvd": lambda t, a: asynclock_async(t, a, "horovod"),
 }
@@ -468,11 +474,11 @@ def table(model: str, out: dict[str, Any]) -> None:
     best = out["samples_per_s_best_window"][model]
     print(f"\n{model} ({out['model'][model]['params'] / 1e6:.1f} M params, batch "
           f"{out['model'][model]['batch']}, {WORLD.size} ranks; samples/s per rank: median "
-          f"and best window)\n  {'method':20s} {'median':>8s} {'best':>7s} {'step ms':>8s} "
+          f"and best window)\n  {'method':23s} {'median':>8s} {'best':>7s} {'step ms':>8s} "
           f"{'cpu ms':>7s}  exposed comm")
     for name, v in sps.items():
         extra = f"{exp[name]:.0%}" if name in exp else "-"
-        print(f"  {name:20s} {v:8.1f} {best[name]:7.1f} {ms[name]:8.1f} {cpu[name]:7.1f}  "
+        print(f"  {name:23s} {v:8.1f} {best[name]:7.1f} {ms[name]:8.1f} {cpu[name]:7.1f}  "
               f"{extra}")
     if out["ratios"][model]:
         print(f"  {verdict(out['ratios'][model])}")

@@ -31,6 +31,7 @@ piece that starts the parameter, and loading writes every piece.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,6 +146,14 @@ class Layout:
         return at
 
 
+def _constructor_defaults(cls: type[torch.optim.Optimizer],
+                          defaults: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the class's constructor takes by name (some, like AdamW's
+    `decoupled_weight_decay`, are set by the class itself); groups carry the rest."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in defaults.items() if k in accepted}
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -238,7 +247,7 @@ class Shards:
         order = sorted(by_group)
         now = hyperparameters(self.optimizer)
         groups = [dict(now[g], params=by_group[g]) for g in order]
-        inner = self.base(groups, **self.optimizer.defaults)
+        inner = self.base(groups, **_constructor_defaults(self.base, self.optimizer.defaults))
         for sub, state in states:
             inner.state[sub] = state
         return inner, order

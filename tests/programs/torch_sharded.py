@@ -68,8 +68,7 @@ def sharded(make: Factory, gated: bool = False,
 
 def train(model: torch.nn.Module, opt: Any, steps: int, first: int = 0) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for _ in range(first):
-        sched.step()
+    sched.last_epoch = first  # resumed: the loaded groups already carry the schedule's lr
     for step in range(first, first + steps):
         opt.zero_grad()
         local_step(model, step)
