@@ -111,6 +111,14 @@ def test_gated_and_per_bucket_updates_bit_identical(nranks: int, transport: str,
 
 
 @grads_cases
+def test_deferred_update_uses_the_lr_its_step_saw(nranks: int, transport: str,
+                                                  backend: str) -> None:
+    """Regression: a gated (deferred) update ran after the LR scheduler's step() and
+    applied the next step's learning rate (0.022 from single-process training)."""
+    grads(nranks, transport, backend, "gated_lr_of_its_step")
+
+
+@grads_cases
 def test_sparse_gradients_travel_dense(nranks: int, transport: str, backend: str) -> None:
     grads(nranks, transport, backend, "sparse_gradients")
 
@@ -182,6 +190,34 @@ def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, t
 def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], backend: str) -> None:
     j = job("torch_hvd_script.py", nranks, backend, "shm", *flags)
     assert_labels(j, nranks, "trained", "identical", "collectives", "done")
+
+
+# -- shard_optimizer (torch_sharded.py) ------------------------------------------------
+def sharded(nranks: int, *labels: str) -> None:
+    assert_labels(job("torch_sharded.py", nranks, "mpi", "shm"), nranks, *labels)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_optimizer_trains_like_one_process(nranks: int) -> None:
+    """SGD (nesterov, weight decay), Adam (amsgrad), AdamW in two param groups under
+    an LR scheduler, plain and gated: the single-process result; each rank keeps
+    state for its pieces only; the parameters are the node window's one copy."""
+    sharded(nranks, "sharded_matches_global_batch")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_checkpoint_on_one_rank_and_resume(nranks: int) -> None:
+    sharded(nranks, "sharded_checkpoint")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
+    sharded(nranks, "sharded_refusals")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_model_usable_after_shutdown(nranks: int) -> None:
+    sharded(nranks, "sharded_usable_after_shutdown")
 
 
 # -- torch.compile (torch_compiled.py) -------------------------------------------------

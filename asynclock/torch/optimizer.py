@@ -68,6 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shards: Shards | None = None
         if shard:
             self._reducer.after_replan = self._switch_to_shards
+            self._reducer.before_shutdown = self._unshare
         self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
@@ -114,6 +115,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         shards.switch()
         transport.pipeline.shard = shards
         self._shards = shards
+
+    def _unshare(self) -> None:
+        """At shutdown, before MPI frees the window: parameters and state get private
+        copies again, so the model and optimizer can still be saved or evaluated."""
+        shards, self._shards = self._shards, None
+        if shards is None:
+            return
+        self.state.update(shards.gathered_state())
+        for p in self._reducer.registry.params:
+            p.data = p.data.clone()
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
         with only(self, params):

@@ -155,6 +155,7 @@ class Reducer:
         self._zero = zero
         # runs once the first round's update is applied on the agreed plan (`shard`)
         self.after_replan: Callable[[], None] = _nothing
+        self.before_shutdown: Callable[[], None] = _nothing  # the window goes away after it
         self.updates = Updates(registry.params, self.unpack, step, self._zero_grads,
                                link.on_loop_thread, registry.describe)
         self.bucketer.register()
@@ -200,6 +201,7 @@ class Reducer:
         if self.broken is None and not self.coord._closed:
             self.updates.flush()
             self._writable()
+        self.before_shutdown()
 
     def remove(self) -> None:
         self.bucketer.remove()

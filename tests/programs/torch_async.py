@@ -102,14 +102,17 @@ async def check_loop_live_during_backward(c: asynclock.Coordinator) -> None:
 async def check_modes_bit_identical(c: asynclock.Coordinator) -> None:
     tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
     models = [mlp(seed=22, hidden=12) for _ in range(3)]
-    steps = [c.train_step(torch.optim.Adam(m.parameters(), lr=0.01), tuning=tuning, **kw)
-             for m, kw in zip(models, [{}, {"per_bucket_step": True},
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    steps = [c.train_step(opt, tuning=tuning, **kw)
+             for opt, kw in zip(opts, [{}, {"per_bucket_step": True},
                                        {"gate_forward": True, "model": models[2]}], strict=True)]
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in opts]
     for n in range(5):
-        for m, step in zip(models, steps, strict=True):
+        for m, step, sched in zip(models, steps, scheds, strict=True):
             async with step:
                 loss = await step.forward(local(n, c.rank, c.size), m)
                 await step.backward(loss)
+            sched.step()  # a deferred update still applies the rate of its own step
     assert steps[2].statistics().deferred_pending, "the gated step did not defer its update"
     try:
         models[2](torch.zeros(1, 6))

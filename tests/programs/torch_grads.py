@@ -296,19 +296,23 @@ def force_reversed_launch_order(opt: object) -> None:
 
 
 def check_gated_bit_identical() -> None:
-    """Plain, per-bucket, layer-gated and reversed-order updates give the same bits (Adam)."""
+    """Plain, per-bucket, layer-gated and reversed-order updates give the same bits (Adam),
+    with an LR scheduler stepped right after each step(): a deferred update applies the
+    rate its own step() saw (it used to take the next one's)."""
     tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
     models = [mlp(seed=8, hidden=12) for _ in range(4)]
     opts = [hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
                                      named_parameters=m.named_parameters(), tuning=tuning, **kw)
             for m, kw in zip(models, [{}, {"per_bucket_step": True},
                                       {"gate_forward": models[2]}, {}], strict=True)]
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in opts]
     deferred = 0
     for step in range(6):
-        for m, opt in zip(models, opts, strict=True):
+        for m, opt, sched in zip(models, opts, scheds, strict=True):
             opt.zero_grad()
             local(step)(m).backward()
             opt.step()
+            sched.step()
         if step == 0:
             force_reversed_launch_order(opts[3])
         deferred += opts[2].reducer.updates.pending is not None
@@ -323,6 +327,7 @@ def check_gated_bit_identical() -> None:
     assert opts[2].reducer.updates.pending is None, "gate switched off but update deferred"
     assert_same_on_all_ranks(models[2], gather, "gated")
     report(hvd.rank(), "gated_bit_identical", f"launch order {opts[2].reducer.plan.launch}")
+    report(hvd.rank(), "gated_lr_of_its_step")
 
 
 def check_too_many_passes() -> None:

@@ -157,14 +157,29 @@ def expect(kind: type[BaseException], text: str, call: Callable[[], object]) -> 
     raise AssertionError(f"no {kind.__name__} ({text})")
 
 
+def check_usable_after_shutdown(model: torch.nn.Module, opt: Any) -> None:
+    """Shutdown frees the window: parameters and state must have moved out first."""
+    before, state_before = flat(model).clone(), opt.state_dict()
+    hvd.shutdown()
+    assert opt.sharded is None
+    assert torch.equal(flat(model), before), "parameters changed at shutdown"
+    assert_state_equal(opt.state_dict(), state_before, 0.0)
+    for p in model.parameters():
+        p.data.add_(1.0)  # private memory again: writable with no window behind it
+
+
 def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     check_matches_global_batch()
     check_checkpoint()
     check_refusals()
-    report(hvd.rank(), "done")
-    hvd.shutdown()
+    model, opt = sharded(OPTIMIZERS["adam"][0])
+    train(model, opt, 3)
+    rank = hvd.rank()
+    check_usable_after_shutdown(model, opt)
+    report(rank, "sharded_usable_after_shutdown")
+    report(rank, "done")
 
 
 if __name__ == "__main__":
