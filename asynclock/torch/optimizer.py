@@ -59,6 +59,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             check_gate_covers(gate_model, registry)
         link = sync_link(coord)
         lane = _lane_for(coord, process_set)
+        shard = shard and lane.size > 1  # one rank alone has nothing to share
         if shard:
             check_shard_transport(coord, lane, opts)
         self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
