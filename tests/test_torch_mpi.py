@@ -211,6 +211,11 @@ def test_sharded_checkpoint_on_one_rank_and_resume(nranks: int) -> None:
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_accumulation_over_passes_and_no_sync(nranks: int) -> None:
+    sharded(nranks, "sharded_accumulation")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
 def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
     sharded(nranks, "sharded_refusals")
 

@@ -104,7 +104,8 @@ def assert_one_copy_and_a_share_of_state(model: torch.nn.Module, opt: Any) -> No
 
 def check_checkpoint() -> None:
     """state_dict() on rank 0 alone equals the single-process optimizer's; loading a
-    checkpoint into a running sharded optimizer (and model) resumes exactly."""
+    checkpoint into a running sharded optimizer (and model), then Horovod's broadcasts,
+    resumes exactly."""
     make, tol = OPTIMIZERS["adam"]
     ref_model, ref_opt = reference(make, 3)
     model, opt = sharded(make)
@@ -115,6 +116,8 @@ def check_checkpoint() -> None:
     want = flat(reference(make, 6)[0])
     model.load_state_dict(ref_model.state_dict())
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod's usual calls:
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # ranks write the same bits in place
     train(model, opt, 3, first=3)
     assert_close(flat(model), want, "resumed", rtol=tol, atol=tol)
     report(hvd.rank(), "sharded_checkpoint")
@@ -128,6 +131,44 @@ def assert_state_equal(got: dict[str, Any], want: dict[str, Any], tol: float) ->
         assert got["state"][i].keys() == state.keys(), (i, got["state"][i].keys())
         for key, value in state.items():
             assert_close(got["state"][i][key], value, f"state {i} {key}", rtol=tol, atol=tol)
+
+
+def check_accumulation() -> None:
+    """backward_passes_per_step=2, and no_sync() before a last pass: the update of the
+    gradients summed over both half-batches, averaged over ranks, as in one process."""
+    make, tol = OPTIMIZERS["sgd"]
+    want_model = mlp(seed=6)
+    want_opt = make(groups(want_model))
+    for how in ("passes", "no_sync"):
+        model = mlp(seed=6)
+        kw = {"backward_passes_per_step": 2} if how == "passes" else {}
+        opt = hvd.DistributedOptimizer(make(groups(model)), tuning=SMALL, shard_optimizer=True,
+                                       named_parameters=model.named_parameters(), **kw)
+        for step in range(4):
+            opt.zero_grad()
+            if how == "no_sync":
+                with opt.no_sync():
+                    half_batch_loss(model, step, 0, hvd.rank()).backward()
+            else:
+                half_batch_loss(model, step, 0, hvd.rank()).backward()
+            half_batch_loss(model, step, 1, hvd.rank()).backward()
+            opt.step()
+        if how == "passes":
+            for step in range(4):
+                want_opt.zero_grad()
+                n = hvd.size()
+                total = sum(half_batch_loss(want_model, step, h, r) for r in range(n)
+                            for h in (0, 1))
+                (total / n).backward()
+                want_opt.step()
+        assert_close(flat(model), flat(want_model), f"accumulated ({how})", rtol=tol, atol=tol)
+    report(hvd.rank(), "sharded_accumulation")
+
+
+def half_batch_loss(model: torch.nn.Module, step: int, half: int, r: int) -> torch.Tensor:
+    x, y = batch(step, hvd.size())
+    x, y = shard(x, r, hvd.size()), shard(y, r, hvd.size())
+    return loss_fn(model, shard(x, half, 2), shard(y, half, 2))
 
 
 def check_refusals() -> None:
@@ -173,6 +214,7 @@ def main() -> None:
     hvd.init()
     check_matches_global_batch()
     check_checkpoint()
+    check_accumulation()
     check_refusals()
     model, opt = sharded(OPTIMIZERS["adam"][0])
     train(model, opt, 3)
