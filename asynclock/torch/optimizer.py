@@ -28,10 +28,16 @@ from .apply import hyperparameters, only, settings_of
 from .config import Tuning, build_options
 from .gate import ForwardGate, check_gate_covers
 from .link import sync_link
-from .reducer import Finish, Params, ReduceOptions, Reducer, gradient_lane
+from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
-from .shard import Shards, check_shardable, refuse_unsharded
-from .shm import eligible
+from .shard import (
+    Shards,
+    check_shard_transport,
+    check_shardable,
+    hand_round,
+    refuse_unsharded,
+    start_sharding,
+)
 from .tracing import step_span, trace_module
 
 ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -104,28 +110,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._base_class.step(self)
 
     def _switch_to_shards(self) -> None:
-        """After round 1 (applied whole, every rank alike): parameters and state move
-        into the node's window and each rank keeps its own pieces (`shard`)."""
-        reducer = self._reducer
-        transport = reducer.transport
-        if transport is None or transport.pipeline is None or transport.arena is None:
-            raise RuntimeError("shard_optimizer=True: not every rank could use the shared-"
-                               "memory window, so the optimizer cannot be sharded")
-        shards = Shards(transport.arena.node, self, self._base_class, reducer.registry,
-                        reducer.plan, reducer.storage.flat)
-        shards.switch()
-        transport.pipeline.shard = shards
-        self._shards = shards
+        """After round 1: parameters and state move into the node's window (`shard`)."""
+        self._shards = start_sharding(self._reducer, self, self._base_class)
 
     def _unshare(self) -> None:
         """At shutdown, before MPI frees the window: parameters and state get private
         copies again, so the model and optimizer can still be saved or evaluated."""
         shards, self._shards = self._shards, None
-        if shards is None:
-            return
-        self.state.update(shards.gathered_state())
-        for p in self._reducer.registry.params:
-            p.data = p.data.clone()
+        if shards is not None:
+            shards.unshare()
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
         with only(self, params):
@@ -167,15 +160,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         run = self._reducer.close_round()  # applies the last deferred round, its settings
         self._settings = hyperparameters(self)  # this round's, however late it is applied
         if self._shards is not None:
-            self._shards.hand_hyper()
-            self._wake_pipeline()
+            hand_round(self._reducer, self._shards)
         self._reducer.finish(run, mode)
         return None
-
-    def _wake_pipeline(self) -> None:
-        transport = self._reducer.transport
-        if transport is not None and transport.pipeline is not None:
-            transport.pipeline.wake()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer.bucketer.active is not None:
@@ -215,22 +202,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return Finish.PER_BUCKET if self._shard_wanted else Finish.WHOLE
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded: the whole state, read from the node's window on this rank alone."""
+        """Sharded, too: the state is a view of the node's window (no rank is asked)."""
         self.apply_pending()
-        if self._shards is None:
-            return self._base_class.state_dict(self)
-        self.state.update(self._shards.gathered_state())
-        try:
-            return self._base_class.state_dict(self)
-        finally:
-            self.state.clear()
+        return self._base_class.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.apply_pending()
-        self._base_class.load_state_dict(self, state_dict)
-        if self._shards is not None:
-            self._shards.load(self.state)
-            self.state.clear()
+        self._base_class.load_state_dict(self, state_dict)  # sharded: a hook fills the window
 
     @property
     def sharded(self) -> Shards | None:
@@ -284,14 +262,6 @@ def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError("DistributedOptimizer reduces sparse gradients as dense ones "
                          "(Horovod's sparse_as_dense=True), and SparseAdam takes sparse "
                          "gradients only: use torch.optim.Adam (or SGD) instead")
-
-
-def check_shard_transport(coord: Any, lane: Lane, options: ReduceOptions) -> None:
-    """Sharding lives in the shared-memory window: say at once when there is none."""
-    if not (options.shm and options.replan and eligible(coord, lane)):
-        raise ValueError("shard_optimizer=True needs the shared-memory window: every rank "
-                         "on one node, the MPI backend with MPI_THREAD_MULTIPLE, and "
-                         "Tuning(shm=True, replan=True) (ASYNCLOCK_SHM not 0)")
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer

@@ -24,9 +24,11 @@ rank 0's copy into the window, and the plan never changes again.
 
 Optimizer state in the window has the parameter's shape ("full" keys, e.g.
 `momentum_buffer`), so any rank can read all of it for a checkpoint without
-asking the others. Scalar state (`step`) is kept per piece, also in the
-window, because every piece steps it once per round; a checkpoint reads the
-piece that starts the parameter, and loading writes every piece.
+asking the others: the user's optimizer keeps views of it as its state, and
+its own `state_dict()` works unchanged. Scalar state (`step`) is kept per
+piece, also in the window, because every piece steps it once per round; the
+user's optimizer sees the piece that starts the parameter, and loading a
+state dict (a post-hook) writes every piece.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import inspect
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +45,9 @@ from .apply import hyperparameters
 from .buckets import Plan
 from .registry import ParamRegistry
 from .shm_chunks import chunk
+
+if TYPE_CHECKING:
+    from .reducer import ReduceOptions, Reducer
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -66,6 +71,39 @@ def check_shardable(optimizer: torch.optim.Optimizer, *, compressed: bool,
     if process_set is not None or groups:
         raise ValueError("shard_optimizer=True shards over every rank of the node: "
                          "process sets and Horovod groups are not supported with it")
+
+
+def check_shard_transport(coord: Any, lane: Any, options: ReduceOptions) -> None:
+    """Sharding lives in the shared-memory window: say at once when there is none."""
+    from .shm import eligible
+
+    if not (options.shm and options.replan and eligible(coord, lane)):
+        raise ValueError("shard_optimizer=True needs the shared-memory window: every rank "
+                         "on one node, the MPI backend with MPI_THREAD_MULTIPLE, and "
+                         "Tuning(shm=True, replan=True) (ASYNCLOCK_SHM not 0)")
+
+
+def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,
+                   base: type[torch.optim.Optimizer]) -> Shards:
+    """After round 1 (applied whole, every rank alike): move parameters and state
+    into the node's window; the pipeline updates this rank's pieces from now on."""
+    transport = reducer.transport
+    if transport is None or transport.pipeline is None or transport.arena is None:
+        raise RuntimeError("shard_optimizer=True: not every rank could use the shared-"
+                           "memory window, so the optimizer cannot be sharded")
+    shards = Shards(transport.arena.node, optimizer, base, reducer.registry, reducer.plan,
+                    reducer.storage.flat)
+    shards.switch()
+    transport.pipeline.shard = shards
+    return shards
+
+
+def hand_round(reducer: Reducer, shards: Shards) -> None:
+    """A round's `step()`: its settings to the pipeline, which may now update."""
+    shards.hand_hyper()
+    transport = reducer.transport
+    if transport is not None and transport.pipeline is not None:
+        transport.pipeline.wake()
 
 
 def refuse_unsharded(what: str) -> RuntimeError:
@@ -170,11 +208,13 @@ class Shards:
         params = registry.params
         self.keys = [split_state(p, optimizer.state.get(p, {})) for p in params]
         self.pieces = pieces(plan, self.n)
+        self._first = {p.param: j for j, p in enumerate(self.pieces) if p.start == 0}
         self.layout = Layout(params, self.keys, self.pieces)
         self._window(node)
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                           for p in group["params"]}
         self.inner: dict[int, tuple[torch.optim.Optimizer, list[int]]] = {}
+        self.active = False  # parameters and state live in the window
         self._flat = flat
         self._hypers: deque[list[dict[str, Any]]] = deque()  # handed by step(), one a round
 
@@ -216,7 +256,43 @@ class Shards:
         for i, p in enumerate(self.registry.params):
             p.data = self.param(i)
         self._build_inner()
-        self.optimizer.state.clear()
+        self.active = True
+        self.attach()
+        self._hook = self.optimizer.register_load_state_dict_post_hook(self._loaded)
+
+    def attach(self) -> None:
+        """The user's optimizer sees the window as its state (whole parameters; scalars
+        of each parameter's first piece): its private copies are dropped."""
+        for i, p in enumerate(self.registry.params):
+            views = self._views(i)
+            if views:
+                self.optimizer.state[p] = views
+
+    def _views(self, i: int) -> dict[str, Any]:
+        keys = self.keys[i]
+        state: dict[str, Any] = dict(keys.plain)
+        state.update({key: self.full(i, key) for key in keys.full})
+        state.update({key: self.scalar(self._first[i], key) for key in keys.scalar})
+        return state
+
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After `load_state_dict` replaced the state with private tensors: write them
+        into the window (every piece) and show the window again."""
+        if self.active:
+            self.load(optimizer.state)
+            self.attach()
+
+    def unshare(self) -> None:
+        """Private copies of parameters and state again (shutdown, or the train step
+        closed), so the model and optimizer work without the window."""
+        if not self.active:
+            return
+        self.active = False
+        self._hook.remove()
+        for p, state in self.gathered_state().items():
+            self.optimizer.state[p] = state
+        for p in self.registry.params:
+            p.data = p.data.clone()
 
     def _fill_window(self) -> None:
         state = self.optimizer.state
@@ -287,14 +363,11 @@ class Shards:
 
     # -- checkpoints -------------------------------------------------------------------
     def gathered_state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Every parameter's whole state, read from the window (no rank is asked)."""
-        first = {p.param: j for j, p in enumerate(self.pieces) if p.start == 0}
+        """Every parameter's whole state, copied out of the window."""
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.registry.params):
-            keys = self.keys[i]
-            state: dict[str, Any] = dict(keys.plain)
-            state.update({key: self.full(i, key).clone() for key in keys.full})
-            state.update({key: self.scalar(first[i], key).clone() for key in keys.scalar})
+            state = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                     for k, v in self._views(i).items()}
             if state:
                 out[p] = state
         return out
