@@ -178,6 +178,16 @@ def test_sparse_gradients_and_a_refused_gate_in_the_train_step(
 
 
 @async_cases
+def test_train_step_sharded_or_refused(nranks: int, loop: str, transport: str,
+                                       backend: str) -> None:
+    """The train step's shard_optimizer: unsharded bits on the shared window, the same
+    clear ValueError on every rank without one."""
+    shared = backend == "mpi" and transport == "shm"
+    async_labels(nranks, loop, transport, backend,
+                 "sharded_train_step" if shared else "sharded_refused")
+
+
+@async_cases
 def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, transport: str,
                                                       backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "cancel_during_backward")

@@ -44,6 +44,7 @@ from .gate import ForwardGate, check_gate_covers
 from .link import async_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
+from .shard import Shards, check_shard_transport, check_shardable, hand_round, start_sharding
 
 log = logging.getLogger("asynclock.torch")
 T = TypeVar("T")
@@ -72,9 +73,13 @@ class TrainStep:
                  op: Any = ReduceOp.AVERAGE, compression: Any = Compression.none,
                  backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
                  groups: Any = None, per_bucket_step: bool = False, gate_forward: bool = False,
-                 zero_grad: bool = True, tuning: Tuning | None = None) -> None:
+                 zero_grad: bool = True, tuning: Tuning | None = None,
+                 shard_optimizer: bool = False) -> None:
         if hasattr(optimizer, "_reducer"):
             raise ValueError("pass the plain torch optimizer, not a DistributedOptimizer")
+        if shard_optimizer:
+            check_shardable(optimizer, compressed=compression not in (None, Compression.none),
+                            process_set=None, groups=groups)
         if gate_forward and model is None:
             raise ValueError("gate_forward=True needs model=... (its modules get the gates)")
         self.coord, self.optimizer, self.model = coord, optimizer, model
@@ -95,6 +100,8 @@ class TrainStep:
         self._steps = 0
         self.closed = False
         self._settings: list[dict[str, Any]] | None = None  # the round's group settings
+        self._shard_wanted = shard_optimizer
+        self._shards: Shards | None = None
 
     @property
     def reducer(self) -> Reducer:
@@ -111,9 +118,15 @@ class TrainStep:
             model = self.model
             check_gate_covers(model, self.registry)
         lane = await anyio.to_thread.run_sync(gradient_lane, self.coord)
+        self._shard_wanted = self._shard_wanted and lane.size > 1  # one rank: nothing to share
+        if self._shard_wanted:
+            check_shard_transport(self.coord, lane, self.options)
         reducer = Reducer(self.coord, self.link, self.registry, self.options,
                           self._step_params, self._zero_params, lane)
         self._reducer = reducer
+        if self._shard_wanted:
+            reducer.after_replan = self._switch_to_shards
+            reducer.before_shutdown = self._unshare
         try:
             if model is not None:  # off the loop: it may import Dynamo (~0.7 s)
                 await anyio.to_thread.run_sync(self._make_gate, model, reducer)
@@ -129,7 +142,11 @@ class TrainStep:
         self.gate = ForwardGate(model, self.registry, reducer.updates)
 
     def close(self) -> None:
-        """Remove every hook; the optimizer and model are plain torch again."""
+        """Remove every hook; the optimizer and model are plain torch again (sharded:
+        private parameters and state again, unless a gated update is still pending:
+        `await step.flush()` first)."""
+        if self._reducer is not None and self._reducer.updates.pending is None:
+            self._unshare()
         if self._reducer is not None:
             self._reducer.remove()
         if self.gate is not None:
@@ -137,7 +154,18 @@ class TrainStep:
         self.closed = True
 
     # -- applying updates (called by the reducer in a worker thread) -------------------
+    def _switch_to_shards(self) -> None:
+        """After round 1: parameters and state move into the node's window (`shard`)."""
+        self._shards = start_sharding(self.reducer, self.optimizer, type(self.optimizer))
+
+    def _unshare(self) -> None:
+        shards, self._shards = self._shards, None
+        if shards is not None:
+            shards.unshare()
+
     def _step_params(self, params: Params) -> None:
+        if self._shards is not None:
+            return  # each rank's pipeline updated its own pieces as they were reduced
         with only(self.optimizer, params), settings_of(self.optimizer, self._settings):
             self.optimizer.step()
 
@@ -207,6 +235,8 @@ class TrainStep:
         """Worker thread: close the round, then wait, unpack and apply per the mode."""
         run = self.reducer.close_round()  # applies the last deferred round, its settings
         self._settings = hyperparameters(self.optimizer)  # this round's, however late applied
+        if self._shards is not None:
+            hand_round(self.reducer, self._shards)
         self.reducer.finish(run, self.mode)
         if self.zero_grad:
             self.reducer.updates.zero_grad(True)

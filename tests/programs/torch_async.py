@@ -8,8 +8,10 @@ backward leaving every rank consistent.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import torch
@@ -216,12 +218,55 @@ async def check_sparse_gated_and_refused_gate(c: asynclock.Coordinator) -> None:
     report(c.rank, "sparse_gated_refused_gate")
 
 
+async def check_sharded(c: asynclock.Coordinator) -> None:
+    """`shard_optimizer=True`: plain and gated train steps give the unsharded bits (Adam,
+    a scheduler stepped between blocks); where no shared window exists (other backend,
+    ASYNCLOCK_SHM=0) the first block raises the same ValueError on every rank."""
+    tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
+    models = [mlp(seed=23, hidden=12) for _ in range(3)]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    kws: list[dict[str, Any]] = [{}, {"shard_optimizer": True},
+                                 {"shard_optimizer": True, "gate_forward": True,
+                                  "model": models[2]}]
+    steps = [c.train_step(opt, tuning=tuning, **kw) for opt, kw in zip(opts, kws, strict=True)]
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in opts]
+    if not shared_window(c):
+        try:
+            async with steps[1]:
+                pass
+        except ValueError as exc:
+            assert "shared-memory window" in str(exc), exc
+            report(c.rank, "sharded_refused")
+            return
+        raise AssertionError("shard_optimizer accepted without a shared window")
+    for n in range(5):
+        for m, step, sched in zip(models, steps, scheds, strict=True):
+            async with step:
+                loss = await step.forward(local(n, c.rank, c.size), m)
+                await step.backward(loss)
+            sched.step()
+    await steps[2].flush()
+    for label, m in (("sharded", models[1]), ("sharded gated", models[2])):
+        assert torch.equal(flat(models[0]), flat(m)), f"{label} differs from unsharded"
+    assert opts[1].state_dict()["state"].keys() == opts[0].state_dict()["state"].keys()
+    for step in steps[1:]:
+        step.close()  # private parameters again
+    assert all(p.data_ptr() != q.data_ptr() for p in models[1].parameters()
+               for q in models[2].parameters())
+    report(c.rank, "sharded_train_step")
+
+
+def shared_window(c: asynclock.Coordinator) -> bool:
+    return os.environ.get("ASYNCLOCK_SHM", "1") != "0" and c.backend.name == "mpi"
+
+
 async def main() -> None:
     torch.set_num_threads(1)
     async with asynclock.start() as c:
         checks: list[Callable[[asynclock.Coordinator], Awaitable[None]]] = [
             check_basic, check_loop_live_during_backward, check_modes_bit_identical,
-            check_no_sync, check_cancel_during_backward, check_sparse_gated_and_refused_gate]
+            check_no_sync, check_cancel_during_backward, check_sparse_gated_and_refused_gate,
+            check_sharded]
         for check in checks:
             await check(c)
         report(c.rank, "done")
