@@ -25,7 +25,8 @@ time / method step time. Methods:
   node, each rank updating the chunks it reduces (one node only);
 * asynclock-sharded-gated: the same with the next forward gated per layer;
 * asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread;
-* asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads).
+* asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads);
+* asynclock-async-sharded: the async API with `shard_optimizer=True` (one node).
 
 Under each table: the best asynclock method over the best peer (naive, Horovod,
 DDP) and over compute only, the two ratios the targets are stated in (also
@@ -59,7 +60,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--models", default="mlp,cnn")
     p.add_argument("--methods", default="compute,naive,horovod,ddp,asynclock,"
                    "asynclock-bucket,asynclock-gated,asynclock-gated-mpi,asynclock-sharded,"
-                   "asynclock-sharded-gated,asynclock-async,asynclock-async-hvd")
+                   "asynclock-sharded-gated,asynclock-async,asynclock-async-hvd,"
+                   "asynclock-async-sharded")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4, help="steps per method before timing")
     p.add_argument("--windows", type=int, default=7)
@@ -247,7 +249,8 @@ def asynclock_opt(t: Trainer, args: argparse.Namespace, shm: bool = True, **kw: 
 _ASYNC: dict[str, Any] = {}
 
 
-def asynclock_async(t: Trainer, args: argparse.Namespace, backend: str = "mpi") -> Step:
+def asynclock_async(t: Trainer, args: argparse.Namespace, backend: str = "mpi",
+                    **kw: Any) -> Step:
     """The async API (`coord.train_step`, gated forward) on its own coordinator and
     loop thread; each step is one `async with step:` block driven through a portal."""
     from anyio.from_thread import start_blocking_portal
@@ -268,7 +271,8 @@ def asynclock_async(t: Trainer, args: argparse.Namespace, backend: str = "mpi") 
     coord, portal = _ASYNC[backend][0], _ASYNC[backend][1]
 
     async def make() -> Any:
-        return coord.train_step(t.opt, model=t.model, gate_forward=True, tuning=tuning(args))
+        return coord.train_step(t.opt, model=t.model, gate_forward=True, tuning=tuning(args),
+                                **kw)
 
     train_step = portal.call(make)
 
@@ -298,6 +302,7 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
                                                           gate_forward=t.model),
     "asynclock-async": asynclock_async,
     "asynclock-async-hvd": lambda t, a: asynclock_async(t, a, "horovod"),
+    "asynclock-async-sharded": lambda t, a: asynclock_async(t, a, shard_optimizer=True),
 }
 
 

@@ -51,3 +51,18 @@ def test_training_benchmark_runs_horovod_only_in_its_own_windows(tmp_path: Path)
     assert r["vs_best_peer"] == figures["asynclock-gated"] / figures["horovod"], r
     assert r["vs_compute"] == figures["asynclock-gated"] / figures["compute"], r
     assert "best asynclock: asynclock-gated, " in job.output, job.explain()
+
+
+def test_training_benchmark_runs_the_sharded_methods(tmp_path: Path) -> None:
+    """The sharded rows (Horovod API plain and gated, async API) run beside compute only
+    in one job, past the switch into the window, and each writes a figure."""
+    out = tmp_path / "train.json"
+    methods = ["compute", "asynclock-sharded", "asynclock-sharded-gated",
+               "asynclock-async-sharded"]
+    job = run_job("../../bench/train.py", 2, "--models", "mlp", "--methods", ",".join(methods),
+                  "--windows", "2", "--steps", "2", "--warmup", "2", "--json", str(out),
+                  timeout=240)
+    assert job.returncode == 0, job.explain()
+    figures = json.loads(out.read_text())["samples_per_s"]["mlp"]
+    assert set(figures) == set(methods), figures
+    assert all(v > 0 for v in figures.values()), figures
