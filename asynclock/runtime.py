@@ -118,6 +118,7 @@ class Coordinator(Collectives, SyncPrimitives):
         self._lane = self._add_lane("user")
         self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
+        self.more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
         self.sync_lane = self._add_lane("sync")
         # collectives issued from inside a model (SyncBatchNorm), ordered by its layers
         self.model_lane = self._add_lane("model")
@@ -151,7 +152,7 @@ class Coordinator(Collectives, SyncPrimitives):
         DDP's `Join` (`asynclock.join`)."""
         self._check_open()
         return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane,
-                                               self.model_lane])
+                                               self.model_lane, *self.more_grad_lanes])
 
     # -- process sets (asynclock.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:

@@ -33,6 +33,7 @@ def test_join_horovod_api(nranks: int) -> None:
     assert_all_ok(job, nranks)
     assert job.ok_lines("hvd_allreduce") == set(range(nranks)), job.explain()
     assert job.ok_lines("hvd_optimizer") == set(range(nranks)), job.explain()
+    assert job.ok_lines("hvd_second_optimizer") == set(range(nranks)), job.explain()
 
 
 @pytest.mark.horovod
@@ -56,6 +57,7 @@ def test_join_with_shared_memory_gradient_rounds() -> None:
     job = run_job("join.py", 3, "--hvd", "--shm", timeout=120)
     assert_all_ok(job, 3)
     assert job.ok_lines("hvd_optimizer") == {0, 1, 2}, job.explain()
+    assert job.ok_lines("hvd_second_optimizer") == {0, 1, 2}, job.explain()
     assert job.output.count("OK hvd_optimizer over shared memory") == 3, job.explain()
 
 

@@ -231,6 +231,11 @@ def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_refuses_a_joined_rank_on_every_other_rank(nranks: int) -> None:
+    sharded(nranks, "sharded_join_refused")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
 def test_sharded_model_usable_after_shutdown(nranks: int) -> None:
     sharded(nranks, "sharded_usable_after_shutdown")
 

@@ -74,10 +74,14 @@ def gradient_lane(coord: Coordinator) -> Lane:
     """The first reducer of a coordinator uses `coord.grad_lane`; each further one
     gets a channel of its own (a collective: every rank creates reducers in the
     same order). Rounds of different optimizers may then overlap in any timing
-    without ever interleaving on one channel."""
+    without ever interleaving on one channel. A joined rank serves them all."""
     n = _lanes.get(coord, 0)
     _lanes[coord] = n + 1
-    return coord.grad_lane if n == 0 else coord._add_lane(f"grad{n}")
+    if n == 0:
+        return coord.grad_lane
+    lane = coord._add_lane(f"grad{n}")
+    coord.more_grad_lanes.append(lane)
+    return lane
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
 
 ALIGN = 64
+SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every rank updates "
+                "its own pieces of the parameters, so a rank without data cannot stand in "
+                "for the others; give every rank the same number of batches, or build the "
+                "optimizer without shard_optimizer")
 __all__ = ["SharedArena", "ShmTransport", "chunk", "eligible"]
 
 
@@ -221,6 +225,9 @@ class ShmTransport:
     def _checked(self, rnd: _Round, _least: int, err: BaseException | None) -> None:
         """The round's stage passed on every rank: the pipeline takes it from here."""
         self._agreeing.pop(rnd.started, None)
+        sharded = self.pipeline is not None and self.pipeline.shard is not None
+        if isinstance(err, JoinedError) and sharded:
+            return self._fail(rnd, JoinedError(SHARDED_JOIN))  # nobody updates its pieces
         if isinstance(err, JoinedError):  # no data moved yet this round
             with rnd.lock:
                 rnd.over_mpi = 0

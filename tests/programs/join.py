@@ -22,6 +22,7 @@ import torch
 from _common import report, run
 
 import asynclock
+from asynclock import runtime
 from asynclock.errors import JoinedError
 
 
@@ -211,6 +212,20 @@ def check_hvd_optimizer(h: Any) -> None:
     report(rank, "hvd_optimizer", "over shared memory" if shm else "")
 
 
+def check_second_optimizer(h: Any) -> None:
+    """A second optimizer reduces on a gradient channel of its own; a joined rank must
+    stand in for its rounds too (it served only the first optimizer's, and the others
+    waited for ever, reported as a stall)."""
+    rank, size = h.rank(), h.size()
+    model = torch.nn.Linear(6, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = h.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
+    assert opt._reducer.grad_lane is not runtime.coordinator().grad_lane  # its own channel
+    train_epoch(h, opt, model, [steps_of(r) + 1 for r in range(size)])
+    report(rank, "hvd_second_optimizer")
+
+
 def check_round_checks(reducer: Any, rank: int, size: int) -> None:
     """One check per round; its one bucket skips the header round while every rank
     is active, and goes header-checked (stood in for) once rank 0 has joined."""
@@ -235,6 +250,8 @@ def main_hvd() -> None:
     if hvd.size() > 1 and "--shm" not in sys.argv:
         check_hvd_allreduce(hvd)
     check_hvd_optimizer(hvd)
+    if "--horovod" not in sys.argv:
+        check_second_optimizer(hvd)
     report(hvd.rank(), "done")
     hvd.shutdown()
 

@@ -17,6 +17,7 @@ from _common import report
 from torch_common import assert_close, batch, flat, loss_fn, mlp, shard
 
 import asynclock.torch as hvd
+from asynclock.errors import JoinedError
 from asynclock.torch import Tuning
 
 MiB = 1 << 20
@@ -193,6 +194,22 @@ def check_refusals() -> None:
     report(hvd.rank(), "sharded_refusals")
 
 
+def check_join_refused() -> None:
+    """A joined rank cannot update its pieces: the others' next step raises the same
+    JoinedError naming shard_optimizer (decided by the round's agreed check), and
+    join then completes everywhere."""
+    model, opt = sharded(OPTIMIZERS["sgd"][0], model=mlp(seed=2))
+    train(model, opt, 2)
+    if hvd.rank() == 0:
+        hvd.join()
+    else:
+        opt.zero_grad()
+        local_step(model, 2)
+        expect(JoinedError, "shard_optimizer", opt.step)
+        hvd.join()
+    report(hvd.rank(), "sharded_join_refused")
+
+
 def expect(kind: type[BaseException], text: str, call: Callable[[], object]) -> None:
     try:
         call()
@@ -220,6 +237,7 @@ def main() -> None:
     check_checkpoint()
     check_accumulation()
     check_refusals()
+    check_join_refused()
     model, opt = sharded(OPTIMIZERS["adam"][0])
     train(model, opt, 3)
     rank = hvd.rank()
