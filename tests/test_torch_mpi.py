@@ -203,11 +203,14 @@ def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], back
 
 
 # -- shard_optimizer (torch_sharded.py) ------------------------------------------------
+sharded_cases = pytest.mark.parametrize("nranks", [2, 3])
+
+
 def sharded(nranks: int, *labels: str) -> None:
     assert_labels(job("torch_sharded.py", nranks, "mpi", "shm"), nranks, *labels)
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_optimizer_trains_like_one_process(nranks: int) -> None:
     """SGD (nesterov, weight decay), Adam (amsgrad), AdamW in two param groups under
     an LR scheduler, plain and gated: the single-process result; each rank keeps
@@ -215,27 +218,27 @@ def test_sharded_optimizer_trains_like_one_process(nranks: int) -> None:
     sharded(nranks, "sharded_matches_global_batch")
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_checkpoint_on_one_rank_and_resume(nranks: int) -> None:
     sharded(nranks, "sharded_checkpoint")
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_accumulation_over_passes_and_no_sync(nranks: int) -> None:
     sharded(nranks, "sharded_accumulation")
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
     sharded(nranks, "sharded_refusals")
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_refuses_a_joined_rank_on_every_other_rank(nranks: int) -> None:
     sharded(nranks, "sharded_join_refused")
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@sharded_cases
 def test_sharded_model_usable_after_shutdown(nranks: int) -> None:
     sharded(nranks, "sharded_usable_after_shutdown")
 

@@ -65,6 +65,10 @@ def check_shardable(optimizer: torch.optim.Optimizer, *, compressed: bool,
         raise ValueError(f"shard_optimizer=True needs an elementwise optimizer ({names}), "
                          f"not {type(optimizer).__name__}: each rank updates slices of "
                          "parameters, which is exact only when no update looks across elements")
+    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+    if devices - {"cpu"}:
+        raise ValueError("shard_optimizer=True keeps the parameters in host memory shared "
+                         f"by the node's ranks: CPU parameters only, not {sorted(devices)}")
     if compressed:
         raise ValueError("shard_optimizer=True reduces in the parameters' own dtype: "
                          "drop gradient compression")

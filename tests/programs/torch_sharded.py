@@ -181,6 +181,9 @@ def check_refusals() -> None:
     model = mlp(seed=1)
     expect(ValueError, "elementwise", lambda: hvd.DistributedOptimizer(
         torch.optim.LBFGS(model.parameters()), shard_optimizer=True))
+    meta = torch.nn.Linear(2, 2, device="meta")  # stands in for a GPU model here
+    expect(ValueError, "CPU parameters only", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(meta.parameters(), lr=0.1), shard_optimizer=True))
     expect(ValueError, "compression", lambda: hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True,
         compression=hvd.Compression.fp16))
