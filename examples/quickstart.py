@@ -31,9 +31,9 @@ async def main() -> None:
             gathered = await coord.allgather_object({"rank": coord.rank, "sum": total[0].item()})
             await coord.barrier()
             tg.cancel_scope.cancel()
+        in_flight_ok = all(r[0].item() == i * coord.size for i, r in enumerate(results))
         print(f"[rank {coord.rank}/{coord.size}] sum={total.tolist()} mean={mean[0].item():.2f} "
-              f"50 in-flight ok={all(r[0].item() == i * coord.size for i, r in enumerate(results))} "
-              f"side-task ticks={ticks[0]}", flush=True)
+              f"50 in-flight ok={in_flight_ok} side-task ticks={ticks[0]}", flush=True)
         if coord.rank == 0:
             print(f"summary: {coord.size} ranks on {coord.backend.describe()}; "
                   f"every rank saw {gathered}", flush=True)
