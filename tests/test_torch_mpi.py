@@ -229,6 +229,11 @@ def test_sharded_accumulation_over_passes_and_no_sync(nranks: int) -> None:
 
 
 @sharded_cases
+def test_sharded_synchronize_then_clip_then_step(nranks: int) -> None:
+    sharded(nranks, "sharded_synchronize_clip")
+
+
+@sharded_cases
 def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
     sharded(nranks, "sharded_refusals")
 

@@ -30,6 +30,7 @@ from .gate import ForwardGate, check_gate_covers
 from .link import sync_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
+from .run import StepRun
 from .shard import (
     Shards,
     check_shard_transport,
@@ -37,6 +38,7 @@ from .shard import (
     hand_round,
     refuse_unsharded,
     start_sharding,
+    sync_shards,
 )
 from .tracing import step_span, trace_module
 
@@ -73,6 +75,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shard_wanted = shard
         self._settings: list[dict[str, Any]] | None = None  # the round's group settings
         self._shards: Shards | None = None
+        self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
+        self._switch_due = False  # round 1 ended in synchronize(): shard after its step
         if shard:
             self._reducer.after_replan = self._switch_to_shards
             self._reducer.before_shutdown = self._unshare
@@ -126,17 +130,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- Horovod's API ---------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait until every gradient is reduced (launching whatever did not launch)."""
-        if self._shard_wanted:
-            raise refuse_unsharded("optimizer.synchronize()")
-        self._reducer.synchronize()
+        """Wait until every gradient is reduced (launching whatever did not launch).
+
+        Sharded, too: every rank's chunks are copied back, so `.grad` is the whole
+        average (to clip it in place); the update itself waits for `step()`."""
+        if self._shards is not None:
+            self._synced = sync_shards(self._reducer, self._shards)
+        else:
+            generation = self._reducer.generation
+            self._reducer.synchronize()
+            self._switch_due = self._shard_wanted and self._reducer.generation != generation
         self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """`step()` inside this block does not synchronize (after a manual one)."""
-        if self._shard_wanted:
-            raise refuse_unsharded("optimizer.skip_synchronize()")
         self._should_synchronize = False
         try:
             yield
@@ -144,14 +152,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None and self._shard_wanted:
+            raise refuse_unsharded("optimizer.step(closure)")
         if not self._should_synchronize:
             self._synchronized = False
-            return self._base_class.step(self, closure)
+            return self._step_synchronized(closure)
         if self._synchronized:
             warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
         self._synchronized = False
-        if closure is not None and self._shard_wanted:
-            raise refuse_unsharded("optimizer.step(closure)")
+        if self._synced is not None:  # sharded: the synchronized round, not a new one
+            return self._step_synchronized(None)
         mode = Finish.WHOLE if closure is not None else self._mode
         if mode is Finish.WHOLE:
             self._reducer.synchronize()
@@ -163,6 +173,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             hand_round(self._reducer, self._shards)
         self._reducer.finish(run, mode)
         return None
+
+    def _step_synchronized(self, closure: Callable[[], Any] | None) -> Any:
+        """`step()` after `synchronize()`: apply the reduced (maybe clipped) gradients."""
+        run, self._synced = self._synced, None
+        if self._shards is not None:
+            if run is None:
+                raise refuse_unsharded("optimizer.step() inside skip_synchronize() without "
+                                       "synchronize() first")
+            self._settings = hyperparameters(self)
+            hand_round(self._reducer, self._shards)
+            self._reducer.finish(run, self._mode)
+            return None
+        result = self._base_class.step(self, closure)
+        if self._switch_due:  # round 1 was synchronized by hand: shard from now on
+            self._switch_due = False
+            self._switch_to_shards()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer.bucketer.active is not None:

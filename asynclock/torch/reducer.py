@@ -256,6 +256,10 @@ class Reducer:
     def _wait_reporting(self, run: StepRun, k: int) -> None:
         self._block(run.done[k], lambda: self.describe(run, k))
 
+    def wait_for(self, event: threading.Event, what: Callable[[], str]) -> None:
+        """Block this (non-loop) thread on `event`, reporting stalls with `what()`."""
+        self._block(event, what)
+
     def _block(self, event: threading.Event, what: Callable[[], str]) -> None:
         start, report_at = time.monotonic(), self.options.stall_s
         deadline = self.options.timeout_s

@@ -34,6 +34,7 @@ state dict (a post-hook) writes every piece.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from .shm_chunks import chunk
 
 if TYPE_CHECKING:
     from .reducer import ReduceOptions, Reducer
+    from .run import StepRun
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -105,6 +107,26 @@ def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,
 def hand_round(reducer: Reducer, shards: Shards) -> None:
     """A round's `step()`: its settings to the pipeline, which may now update."""
     shards.hand_hyper()
+    _wake_pipeline(reducer)
+
+
+def sync_shards(reducer: Reducer, shards: Shards) -> StepRun:
+    """Sharded `synchronize()`: close the round and wait until every rank holds the
+    whole averaged gradient in `.grad` (the update still waits for `step()`)."""
+    run = reducer.close_round()
+    request = shards.request_sync(run.number)
+    _wake_pipeline(reducer)
+    reducer.wait_for(request.done, lambda: (
+        f"synchronize() of round {run.number} waits for every rank's reduced chunks "
+        "(sharded optimizer)"))
+    shards.forget_sync(run.number)
+    if request.error is not None:
+        reducer.broken = request.error
+        raise request.error
+    return run
+
+
+def _wake_pipeline(reducer: Reducer) -> None:
     transport = reducer.transport
     if transport is not None and transport.pipeline is not None:
         transport.pipeline.wake()
@@ -112,9 +134,21 @@ def hand_round(reducer: Reducer, shards: Shards) -> None:
 
 def refuse_unsharded(what: str) -> RuntimeError:
     return RuntimeError(
-        f"{what} is not available with shard_optimizer=True: each rank reduces and "
-        "updates only its own shard, so no rank holds the whole averaged gradient (for "
-        "gradient clipping, build the optimizer without shard_optimizer)")
+        f"{what} is not available with shard_optimizer=True: each rank updates only its "
+        "own pieces (use optimizer.synchronize(), then step() inside skip_synchronize(), "
+        "to work on the whole averaged gradient first, e.g. to clip it)")
+
+
+class SyncRequest:
+    """A sharded `synchronize()`: done once `.grad` holds the whole average on every
+    rank (the pipeline copied the others' chunks back), or the round failed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self) -> None:
+        self.done.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +255,7 @@ class Shards:
         self.active = False  # parameters and state live in the window
         self._flat = flat
         self._hypers: deque[list[dict[str, Any]]] = deque()  # handed by step(), one a round
+        self._syncs: dict[int, SyncRequest] = {}  # by the reducer's round number
 
     # -- the switch ------------------------------------------------------------------
     def _window(self, node: Any) -> None:
@@ -350,6 +385,23 @@ class Shards:
         LR schedulers and `param_groups` edits before `step()` take effect exactly as
         unsharded, whenever the pipeline gets to the buckets."""
         self._hypers.append(hyperparameters(self.optimizer))
+
+    def request_sync(self, number: int) -> SyncRequest:
+        """`synchronize()` of round `number` (before its step()): asked of the pipeline."""
+        request = self._syncs[number] = SyncRequest()
+        return request
+
+    def sync_request(self, number: int) -> SyncRequest | None:
+        return self._syncs.get(number)
+
+    def forget_sync(self, number: int) -> None:
+        self._syncs.pop(number, None)
+
+    def fail_sync(self, number: int, error: BaseException) -> None:
+        request = self._syncs.get(number)
+        if request is not None:
+            request.error = error
+            request.set()
 
     def take_hyper(self) -> list[dict[str, Any]] | None:
         """The oldest round's hyperparameters (pipeline thread), None until handed."""

@@ -58,7 +58,8 @@ def eligible(coord: Any, lane: Lane) -> bool:
 
 CTL_BYTES = 256  # each rank's control block, ahead of its gradient buffers
 BELL_OFFSET = 128  # the futex word peers ring, on its own cache line
-COUNTERS = 5  # int64: packed, reduced, gathered, aborted, started (see shm_pipeline)
+COUNTERS = 7  # int64: packed, reduced, gathered, aborted, started, summed, synced
+# (see shm_pipeline)
 
 
 class SharedArena:
@@ -238,7 +239,7 @@ class ShmTransport:
         with rnd.lock:  # from here on the hook thread feeds the job directly
             rnd.job = job = RoundJob(self._index, tuple(rnd.order), rnd.launched,
                                      partial(self._gathered, rnd), partial(self._fail, rnd),
-                                     rnd.run.release)
+                                     rnd.run.release, run_number=rnd.run.number)
         self._index += 1
         self.pipeline.submit(job)
         return None

@@ -47,7 +47,7 @@ from .buckets import Bucket, Plan
 from .shard import Shards
 from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
 
-PACKED, REDUCED, GATHERED, ABORTED, STARTED = range(5)
+PACKED, REDUCED, GATHERED, ABORTED, STARTED, SUMMED, SYNCED = range(7)
 _CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
 # between rounds nothing can fail here, and everything that gives work rings the
 # bell: sleep long (10 idle wake-ups a second cost other work ~1 ms per CNN step)
@@ -78,6 +78,8 @@ class RoundJob:
     gathered: int = 0
     updated: int = 0  # sharded: positions whose pieces this rank has stepped
     hyper: Any = None  # sharded: the round's hyperparameters, once its step() handed them
+    run_number: int = -1  # the reducer's round number (sharded: synchronize() asks by it)
+    sync_stage: int = 0  # sharded synchronize(): 1 summed published, 2 gathered, 3 done
 
 
 class ShmPipeline:
@@ -293,6 +295,9 @@ class ShmPipeline:
         the parameters after that). Waits for the round's `step()`, which hands over its
         hyperparameters: a bucket reduced during backward is not updated before it."""
         if job.hyper is None:
+            moved = self._sync_phase(job, shard)
+            if moved is not None:
+                return moved
             job.hyper = shard.take_hyper()
             if job.hyper is None:
                 return False  # step() not called yet: it rings this bell
@@ -300,6 +305,30 @@ class ShmPipeline:
             shard.step_bucket(job.order[p], job.hyper)
         job.updated = job.reduced
         self._publish(REDUCED, base + job.updated)
+        return True
+
+    def _sync_phase(self, job: RoundJob, shard: Shards) -> bool | None:
+        """Sharded `synchronize()` (before this round's step()): once every rank summed
+        its chunks, copy the others' into my buffer, so `.grad` is the whole average
+        (e.g. to clip it), then wait until every rank has copied mine, so that changing
+        `.grad` in place cannot reach a peer still copying. None: nothing asked, or done."""
+        request = shard.sync_request(job.run_number)
+        if request is None or job.sync_stage == 3:
+            return None
+        b = len(job.order)
+        if job.reduced < b:
+            return False
+        if job.sync_stage == 0:
+            self._publish(SUMMED, job.index + 1)
+        elif job.sync_stage == 1 and self._least(SUMMED, job.index, 1) == 1:
+            for p in range(b):
+                self._copy_peer_chunks(self.plan.buckets[job.order[p]])
+            self._publish(SYNCED, job.index + 1)
+        elif job.sync_stage == 2 and self._least(SYNCED, job.index, 1) == 1:
+            request.set()
+        else:
+            return False
+        job.sync_stage += 1
         return True
 
     def _gather_positions(self, job: RoundJob, positions: range) -> bool:
@@ -337,6 +366,8 @@ class ShmPipeline:
             self.handed.clear()
         if not int(self.arena.counters[self.me][ABORTED]):
             self._publish(ABORTED, 1)
+        if self.shard is not None:
+            self.shard.fail_sync(job.run_number, exc)
         job.on_failed(exc)
 
     # -- arithmetic --------------------------------------------------------------
@@ -358,8 +389,10 @@ class ShmPipeline:
             self.handed.drop(b.index)
 
     def _gather(self, b: Bucket) -> None:
-        if self.shard is not None:
-            return  # parameters are shared: every rank's update is already in place
+        if self.shard is None:  # sharded: parameters are shared, every update in place
+            self._copy_peer_chunks(b)
+
+    def _copy_peer_chunks(self, b: Bucket) -> None:
         bufs = self.peers[b.group]
         for q in range(self.n):
             if q != self.me:

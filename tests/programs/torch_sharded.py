@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from _common import report
-from torch_common import assert_close, batch, flat, loss_fn, mlp, shard
+from torch_common import assert_close, batch, flat, loss_fn, mlp, reference_grads, shard
 
 import asynclock.torch as hvd
 from asynclock.errors import JoinedError
@@ -176,6 +177,40 @@ def half_batch_loss(model: torch.nn.Module, step: int, half: int, r: int) -> tor
     return loss_fn(model, shard(x, half, 2), shard(y, half, 2))
 
 
+def check_synchronize_and_clip() -> None:
+    """Horovod's clipping recipe, sharded: after synchronize() `.grad` is the global-batch
+    gradient on every rank; clipped in place, step() inside skip_synchronize() applies it
+    (round 1, before the switch, goes the same way), and parameters land where one
+    process with the same clipping lands."""
+    make, tol = OPTIMIZERS["sgd"]
+    model, opt = sharded(make, model=mlp(seed=7))
+    want_model = mlp(seed=7)
+    want_opt = make(groups(want_model))
+    for step in range(4):
+        want = reference_grads(model, hvd.size(), partial(rank_loss, step))
+        opt.zero_grad()
+        local_step(model, step)
+        opt.synchronize()
+        for (name, p), w in zip(model.named_parameters(), want, strict=True):
+            assert_close(p.grad, w, f"synchronized step {step} {name}")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        assert norm > 0.1, f"step {step}: norm {norm} below the clip: nothing tested"
+        with opt.skip_synchronize():
+            opt.step()
+        want_opt.zero_grad()
+        loss_fn(want_model, *batch(step, hvd.size())).backward()
+        torch.nn.utils.clip_grad_norm_(want_model.parameters(), 0.1)
+        want_opt.step()
+    assert opt.sharded is not None, "a synchronized round 1 never switched to shards"
+    assert_close(flat(model), flat(want_model), "clipped", rtol=tol, atol=tol)
+    report(hvd.rank(), "sharded_synchronize_clip")
+
+
+def rank_loss(step: int, model: torch.nn.Module, r: int) -> torch.Tensor:
+    x, y = batch(step, hvd.size())
+    return loss_fn(model, shard(x, r, hvd.size()), shard(y, r, hvd.size()))
+
+
 def check_refusals() -> None:
     """What sharding cannot do raises the same clear error on every rank."""
     model = mlp(seed=1)
@@ -191,8 +226,11 @@ def check_refusals() -> None:
         torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True,
         tuning=Tuning(shm=False)))
     _, opt = sharded(OPTIMIZERS["sgd"][0], model=model)
-    local_step(model, 0)
-    expect(RuntimeError, "not available with shard_optimizer", opt.synchronize)
+    train(model, opt, 2)  # past the switch into the window
+    local_step(model, 2)
+    with opt.skip_synchronize():  # would apply unreduced gradients to the node's one copy
+        expect(RuntimeError, "without synchronize() first", opt.step)
+    expect(RuntimeError, "step(closure)", lambda: opt.step(lambda: None))
     opt.step()
     report(hvd.rank(), "sharded_refusals")
 
@@ -239,6 +277,7 @@ def main() -> None:
     check_matches_global_batch()
     check_checkpoint()
     check_accumulation()
+    check_synchronize_and_clip()
     check_refusals()
     check_join_refused()
     model, opt = sharded(OPTIMIZERS["adam"][0])
