@@ -17,7 +17,7 @@ Only elementwise optimizers qualify: updating a slice of a parameter from the
 same slice of its gradient and state must give what the whole update gives
 (SGD, Adam, ...; not LBFGS, or anything with per-tensor norms). In float32 it
 gives the same bits; for bfloat16, torch's kernels round a slice's vector tail
-differently (1 ulp at most, measured), and the ranks agree all the same.
+differently (1 ulp where measured), and the ranks agree all the same.
 
 Round 1 runs unsharded: it is the profiling round, reduced by MPI allreduce
 on the guessed plan. Every rank then holds the same parameters and state
