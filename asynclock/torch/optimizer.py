@@ -24,7 +24,7 @@ import torch
 from .. import runtime
 from ..operation import Lane
 from ..ops import ReduceOp
-from .apply import hyperparameters, only, settings_of
+from .apply import only, settings_of
 from .config import Tuning, build_options
 from .gate import ForwardGate, check_gate_covers
 from .link import sync_link
@@ -35,9 +35,7 @@ from .shard import (
     Shards,
     check_shard_transport,
     check_shardable,
-    hand_round,
     refuse_unsharded,
-    start_sharding,
     sync_shards,
 )
 from .tracing import step_span, trace_module
@@ -73,13 +71,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
                                 lane)
         self._shard_wanted = shard
-        self._settings: list[dict[str, Any]] | None = None  # the round's group settings
-        self._shards: Shards | None = None
         self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
-        self._switch_due = False  # round 1 ended in synchronize(): shard after its step
         if shard:
-            self._reducer.after_replan = self._switch_to_shards
-            self._reducer.before_shutdown = self._unshare
+            self._reducer.shard_after_replan(self, self._base_class)
         self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
@@ -104,25 +98,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- applying updates (called by the reducer) --------------------------------------
     def _step_params(self, params: Params) -> None:
-        if self._shards is not None:
-            return  # each rank's pipeline updated its own pieces as they were reduced
-        with step_span(), settings_of(self, self._settings):
+        with step_span(), settings_of(self, self._reducer.settings):
             if len(params) == len(self._reducer.registry.params):
                 self._base_class.step(self)
                 return
             with only(self, params):
                 self._base_class.step(self)
-
-    def _switch_to_shards(self) -> None:
-        """After round 1: parameters and state move into the node's window (`shard`)."""
-        self._shards = start_sharding(self._reducer, self, self._base_class)
-
-    def _unshare(self) -> None:
-        """At shutdown, before MPI frees the window: parameters and state get private
-        copies again, so the model and optimizer can still be saved or evaluated."""
-        shards, self._shards = self._shards, None
-        if shards is not None:
-            shards.unshare()
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
         with only(self, params):
@@ -134,12 +115,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Sharded, too: every rank's chunks are copied back, so `.grad` is the whole
         average (to clip it in place); the update itself waits for `step()`."""
-        if self._shards is not None:
-            self._synced = sync_shards(self._reducer, self._shards)
+        shards = self._reducer.shards
+        if shards is not None:
+            self._synced = sync_shards(self._reducer, shards)
         else:
-            generation = self._reducer.generation
             self._reducer.synchronize()
-            self._switch_due = self._shard_wanted and self._reducer.generation != generation
         self._synchronized = True
 
     @contextmanager
@@ -167,28 +147,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reducer.synchronize()
             with step_span():
                 return self._base_class.step(self, closure)
-        run = self._reducer.close_round()  # applies the last deferred round, its settings
-        self._settings = hyperparameters(self)  # this round's, however late it is applied
-        if self._shards is not None:
-            hand_round(self._reducer, self._shards)
-        self._reducer.finish(run, mode)
+        self._reducer.finish(self._reducer.close_step(self), mode)
         return None
 
     def _step_synchronized(self, closure: Callable[[], Any] | None) -> Any:
         """`step()` after `synchronize()`: apply the reduced (maybe clipped) gradients."""
         run, self._synced = self._synced, None
-        if self._shards is not None:
+        if self._reducer.shards is not None:
             if run is None:
                 raise refuse_unsharded("optimizer.step() inside skip_synchronize() without "
                                        "synchronize() first")
-            self._settings = hyperparameters(self)
-            hand_round(self._reducer, self._shards)
+            self._reducer.begin_update(self)
             self._reducer.finish(run, self._mode)
             return None
         result = self._base_class.step(self, closure)
-        if self._switch_due:  # round 1 was synchronized by hand: shard from now on
-            self._switch_due = False
-            self._switch_to_shards()
+        if self._shard_wanted and self._reducer.transport is not None:
+            self._reducer.start_shards()  # round 1, synchronized by hand, was re-planned
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -240,7 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def sharded(self) -> Shards | None:
         """The node's shared parameters and this rank's pieces, once sharding started."""
-        return self._shards
+        return self._reducer.shards
 
     @property
     def reducer(self) -> Reducer:

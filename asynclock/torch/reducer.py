@@ -34,7 +34,7 @@ from ..errors import CollectiveTimeout, JoinedError, MismatchError
 from ..operation import Lane
 from ..ops import ReduceOp
 from ..runtime import Coordinator, LaneCollectives
-from .apply import Updates
+from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
 from .hooks import Bucketer
 from .link import LoopLink
@@ -42,6 +42,7 @@ from .priority import link_speed, priority_launch
 from .registry import ParamRegistry
 from .run import StepRun
 from .scheduler import Scheduler
+from .shard import Shards, hand_round, start_sharding
 from .shm import SharedArena, ShmTransport, eligible
 from .storage import GradStorage
 from .tracing import unpack_span
@@ -50,10 +51,6 @@ log = logging.getLogger("asynclock.torch")
 MiB = 1 << 20
 _lanes: weakref.WeakKeyDictionary[Coordinator, int] = weakref.WeakKeyDictionary()
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()
-
-
-def _nothing() -> None:
-    return None
 
 
 def quiesce_all() -> None:
@@ -156,11 +153,11 @@ class Reducer:
         self._retired_counts = (0, 0)  # buckets of transports replaced by a re-plan
         self._previous: StepRun | None = None  # the last closed round
         self.storage.writable = self._writable
-        self._zero = zero
-        # runs once the first round's update is applied on the agreed plan (`shard`)
-        self.after_replan: Callable[[], None] = _nothing
-        self.before_shutdown: Callable[[], None] = _nothing  # the window goes away after it
-        self.updates = Updates(registry.params, self.unpack, step, self._zero_grads,
+        self._zero, self._step = zero, step
+        self.settings: list[dict[str, Any]] | None = None  # the groups' at the last step()
+        self.shards: Shards | None = None  # sharded: this rank's pieces, in the node window
+        self._shard_with: tuple[torch.optim.Optimizer, type[torch.optim.Optimizer]] | None = None
+        self.updates = Updates(registry.params, self.unpack, self._apply, self._zero_grads,
                                link.on_loop_thread, registry.describe)
         self.bucketer.register()
         _live.add(self)
@@ -195,6 +192,41 @@ class Reducer:
             launched, completed = launched + t.launched, completed + t.completed
         return s.launched + launched, s.completed + completed
 
+    def _apply(self, params: Params) -> None:
+        """The consumer's optimizer step; sharded, the pipeline already updated them."""
+        if self.shards is None:
+            self._step(params)
+
+    # -- sharding (`shard`) ----------------------------------------------------------
+    def shard_after_replan(self, optimizer: torch.optim.Optimizer,
+                           base: type[torch.optim.Optimizer]) -> None:
+        """Shard `optimizer` (of class `base`) once round 1 is applied on the agreed plan."""
+        self._shard_with = (optimizer, base)
+
+    def start_shards(self) -> None:
+        """Round 1's update is in: parameters and state move into the node's window."""
+        if self._shard_with is not None:
+            self.shards = start_sharding(self, *self._shard_with)
+
+    def unshare(self) -> None:
+        """Private parameters and state again (before the window goes away)."""
+        shards, self.shards = self.shards, None
+        if shards is not None:
+            shards.unshare()
+
+    def begin_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """A `step()` of the closed round: keep the groups' settings for its (maybe
+        deferred) update, and hand them to the shards, which may now update."""
+        self.settings = hyperparameters(optimizer)
+        if self.shards is not None:
+            hand_round(self, self.shards)
+
+    def close_step(self, optimizer: torch.optim.Optimizer) -> StepRun:
+        """`step()`: close the round (the last deferred one lands with its own settings)."""
+        run = self.close_round()
+        self.begin_update(optimizer)
+        return run
+
     def _zero_grads(self, params: Params, set_to_none: bool) -> None:
         if not set_to_none:
             self._writable()  # zeroing in place writes into (maybe shared) buffers
@@ -205,7 +237,7 @@ class Reducer:
         if self.broken is None and not self.coord._closed:
             self.updates.flush()
             self._writable()
-        self.before_shutdown()
+        self.unshare()
 
     def remove(self) -> None:
         self.bucketer.remove()
@@ -404,7 +436,7 @@ class Reducer:
             replanned = self.maybe_replan(run)
             self.updates.whole(run)
             if replanned:
-                self.after_replan()
+                self.start_shards()
         elif mode is Finish.PER_BUCKET:
             self.updates.per_bucket(run)
         else:

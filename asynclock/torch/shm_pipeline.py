@@ -77,7 +77,7 @@ class RoundJob:
     reduced: int = 0
     gathered: int = 0
     updated: int = 0  # sharded: positions whose pieces this rank has stepped
-    hyper: Any = None  # sharded: the round's hyperparameters, once its step() handed them
+    hyper: list[dict[str, Any]] | None = None  # sharded: the round's settings, from step()
     run_number: int = -1  # the reducer's round number (sharded: synchronize() asks by it)
     sync_stage: int = 0  # sharded synchronize(): 1 summed published, 2 gathered, 3 done
 

@@ -37,14 +37,14 @@ import torch
 
 from ..ops import ReduceOp
 from ..runtime import Coordinator
-from .apply import hyperparameters, only, settings_of
+from .apply import only, settings_of
 from .compression import Compression
 from .config import Tuning, build_options
 from .gate import ForwardGate, check_gate_covers
 from .link import async_link
 from .reducer import Finish, Params, Reducer, gradient_lane
 from .registry import ParamRegistry
-from .shard import Shards, check_shard_transport, check_shardable, hand_round, start_sharding
+from .shard import check_shard_transport, check_shardable
 
 log = logging.getLogger("asynclock.torch")
 T = TypeVar("T")
@@ -99,9 +99,7 @@ class TrainStep:
         self._backwards = 0
         self._steps = 0
         self.closed = False
-        self._settings: list[dict[str, Any]] | None = None  # the round's group settings
         self._shard_wanted = shard_optimizer
-        self._shards: Shards | None = None
 
     @property
     def reducer(self) -> Reducer:
@@ -125,8 +123,7 @@ class TrainStep:
                           self._step_params, self._zero_params, lane)
         self._reducer = reducer
         if self._shard_wanted:
-            reducer.after_replan = self._switch_to_shards
-            reducer.before_shutdown = self._unshare
+            reducer.shard_after_replan(self.optimizer, type(self.optimizer))
         try:
             if model is not None:  # off the loop: it may import Dynamo (~0.7 s)
                 await anyio.to_thread.run_sync(self._make_gate, model, reducer)
@@ -146,7 +143,7 @@ class TrainStep:
         private parameters and state again, unless a gated update is still pending:
         `await step.flush()` first)."""
         if self._reducer is not None and self._reducer.updates.pending is None:
-            self._unshare()
+            self._reducer.unshare()
         if self._reducer is not None:
             self._reducer.remove()
         if self.gate is not None:
@@ -154,19 +151,8 @@ class TrainStep:
         self.closed = True
 
     # -- applying updates (called by the reducer in a worker thread) -------------------
-    def _switch_to_shards(self) -> None:
-        """After round 1: parameters and state move into the node's window (`shard`)."""
-        self._shards = start_sharding(self.reducer, self.optimizer, type(self.optimizer))
-
-    def _unshare(self) -> None:
-        shards, self._shards = self._shards, None
-        if shards is not None:
-            shards.unshare()
-
     def _step_params(self, params: Params) -> None:
-        if self._shards is not None:
-            return  # each rank's pipeline updated its own pieces as they were reduced
-        with only(self.optimizer, params), settings_of(self.optimizer, self._settings):
+        with only(self.optimizer, params), settings_of(self.optimizer, self.reducer.settings):
             self.optimizer.step()
 
     def _zero_params(self, params: Params, set_to_none: bool) -> None:
@@ -233,11 +219,7 @@ class TrainStep:
 
     def _finish(self) -> None:
         """Worker thread: close the round, then wait, unpack and apply per the mode."""
-        run = self.reducer.close_round()  # applies the last deferred round, its settings
-        self._settings = hyperparameters(self.optimizer)  # this round's, however late applied
-        if self._shards is not None:
-            hand_round(self.reducer, self._shards)
-        self.reducer.finish(run, self.mode)
+        self.reducer.finish(self.reducer.close_step(self.optimizer), self.mode)
         if self.zero_grad:
             self.reducer.updates.zero_grad(True)
 
