@@ -22,6 +22,7 @@ from .errors import (
     RemoteInputError,
     ShutdownError,
     StallError,
+    UnmatchedError,
 )
 from .handle import Handle
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
@@ -48,8 +49,9 @@ __all__ = [
     "AsynclockError", "Average", "BackendError", "CollectiveTimeout", "Coordinator",
     "EngineStatistics", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "Product", "ProgressPolicy", "RankFailedError", "ReduceOp",
-    "RemoteInputError", "ShutdownError", "StallError", "Sum", "coordinator", "cross_rank",
-    "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
+    "RemoteInputError", "ShutdownError", "StallError", "Sum", "UnmatchedError",
+    "coordinator",
+    "cross_rank", "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
     "size", "start",
     # cross-rank primitives, checkpoints, data (issue 5)
     "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "JoinedError",

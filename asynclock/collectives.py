@@ -60,8 +60,16 @@ class Collectives:
         shape = buf.shape if buf is not None else ()
         nbytes = buf.array.nbytes if buf is not None else kw.pop("nbytes", 0)
         dtype = buf.code if buf is not None else 0
-        return Call(kind, self._lane.next_seq(), dtype=dtype, shape=shape, nbytes=nbytes,
+        return Call(kind, self._next_seq(name), dtype=dtype, shape=shape, nbytes=nbytes,
                     name=name or "", **kw)
+
+    def _next_seq(self, name: str | None) -> int:
+        """The call's W_SEQ; a name still held by a call of ours is refused here,
+        before anything is sent (Horovod raises ValueError too)."""
+        lane = self._lane
+        if name:
+            lane.claim(name)
+        return lane.next_seq(name or "")
 
     def _buffer(self, kind: Kind, tensor: Any, name: str | None, *, writable: bool = False,
                 **kw: Any) -> Buffer:
@@ -75,7 +83,7 @@ class Collectives:
 
     def _announce_fault(self, kind: Kind, name: str | None, fault: InputFault, **kw: Any) -> None:
         """Tell the other ranks why we will not take part, so they fail too."""
-        call = Call(kind, self._lane.next_seq(), name=name or "", fault=int(fault), **kw)
+        call = Call(kind, self._next_seq(name), name=name or "", fault=int(fault), **kw)
         submit(self._engine, self._lane, Operation(self._lane, call))
 
     def _reduce_op(self, op: ReduceOp | str, name: str | None,

@@ -23,19 +23,19 @@ class InvalidInputError(AsynclockError, ValueError):
     """A tensor or argument cannot be communicated (layout, dtype, device)."""
 
 
-class MismatchError(AsynclockError):
+class MismatchError(AsynclockError, RuntimeError):
     """Ranks called a collective with different kinds, shapes, dtypes or ops.
 
     Raised on every rank with the same message naming each rank's call.
     """
 
 
-class JoinedError(AsynclockError):
+class JoinedError(AsynclockError, RuntimeError):
     """A collective that joined ranks cannot stand in for (only allreduce and
     barrier can), raised on every rank; the joined ranks keep serving."""
 
 
-class RemoteInputError(AsynclockError):
+class RemoteInputError(AsynclockError, RuntimeError):
     """Another rank rejected its own input for the collective we share."""
 
 
@@ -53,3 +53,9 @@ class RankFailedError(AsynclockError, RuntimeError):
 
 class StallError(AsynclockError, RuntimeError):
     """An operation waited past the stall shutdown threshold."""
+
+
+class UnmatchedError(AsynclockError, RuntimeError):
+    """A collective that some ranks issued and the others never did: no rank
+    could proceed (or the job shut down) while it waited to be matched. The
+    message names every rank's unmatched calls."""

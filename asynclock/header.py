@@ -48,7 +48,10 @@ _MATCH: dict[Kind, tuple[int, ...]] = {
     Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
     Kind.ALLGATHER_OBJECT: _COMMON,
     Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
-    Kind.JOIN: _COMMON,  # W_OP: the rank's join mark (see `asynclock.join`)
+    # W_OP: the rank's join mark; W_SEQ: the joined rank takes the others' count
+    # (`asynclock.join`), so counts may differ while all ranks are joined
+    Kind.JOIN: (W_MAGIC, W_KIND, W_NAME),
+    Kind.FILLER: _COMMON,  # W_OP: `asynclock.matching` flags
 }
 
 
@@ -74,8 +77,9 @@ _LAYOUT = struct.Struct(f"<{WORDS}q")
 
 
 def name_hash(name: str) -> int:
-    """Stable across processes (str.__hash__ is salted per process)."""
-    return zlib.crc32(name.encode()) if name else 0
+    """Stable across processes (str.__hash__ is salted per process); never 0 for a
+    name, so W_NAME alone tells a named call from an unnamed one."""
+    return (zlib.crc32(name.encode()) | 1 << 32) if name else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -115,6 +119,11 @@ def agree(recv: np.ndarray[Any, Any], size: int) -> bool:
     return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first for r in range(1, size))
 
 
+def joining(rows: np.ndarray[Any, Any]) -> bool:
+    """Some rank's header is a joined rank's stand-in round (`asynclock.join`)."""
+    return bool((rows[:, W_KIND] == int(Kind.JOIN)).any())
+
+
 def check(rows: np.ndarray[Any, Any], kind: Kind) -> tuple[int, ...]:
     """Raise the same error on every rank unless all headers agree.
 
@@ -142,7 +151,7 @@ def _compare(rows: np.ndarray[Any, Any], every: np.ndarray[Any, Any], kind: Kind
 def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tuple[int, ...]:
     """Some ranks joined: the rest agree among themselves, in step with the joined
     ranks, on a call a joined rank can stand in for (identity data)."""
-    if (rows[:, W_MAGIC] != MAGIC).any() or (rows[:, W_SEQ] != rows[0, W_SEQ]).any():
+    if (rows[:, W_MAGIC] != MAGIC).any():
         raise MismatchError(mismatch_text(rows))
     active = rows[~joined]
     kind = Kind(int(active[0, W_KIND]))
@@ -179,6 +188,11 @@ _OP_CODES = frozenset(int(op) for op in ReduceOp)
 
 def _ranks(rs: list[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
+
+
+def describe_row(row: np.ndarray[Any, Any]) -> str:
+    """Human text of one header: `#3 allreduce(sum) float32[4, 3] name='w'`."""
+    return _describe(row)
 
 
 def _describe(row: np.ndarray[Any, Any]) -> str:

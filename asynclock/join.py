@@ -70,6 +70,9 @@ class JoinOp(Operation):
         self.stand_in: AllreduceOp | None = None  # owns the identity data in flight
 
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
+        # A stand-in round counts as the call it stands in for: W_SEQ stays that
+        # of the ranks still working (a lane by name counts unnamed calls only).
+        self.lane.seq = max(self.lane.seq, int(rows[:, W_SEQ].max()))
         if not self.joined:  # our own header says JOIN, so every header does
             self.marks = tuple(int(m) for m in rows[:, W_OP])
             return []
@@ -104,8 +107,9 @@ async def join_lanes(engine: Engine, lanes: list[Lane]) -> int:
 
     A rank's mark is how many collectives it had issued on these lanes when
     it joined: a later joiner has the larger mark (ties: the higher rank).
+    Header rounds count on a lane by name, whose W_SEQ skips named calls.
     """
-    mark = sum(lane.seq for lane in lanes)
+    mark = sum(lane.rounds if lane.by_name else lane.seq for lane in lanes)
     marks: list[tuple[int, ...]] = []
     async with anyio.create_task_group() as tg:
         for lane in lanes:
@@ -117,7 +121,7 @@ async def join_lanes(engine: Engine, lanes: list[Lane]) -> int:
 async def _serve(engine: Engine, lane: Lane, mark: int, marks: list[tuple[int, ...]]) -> None:
     """JOIN rounds on one lane, one at a time, until every rank's header says JOIN."""
     while True:
-        op = JoinOp(lane, lane.next_seq(), mark)
+        op = JoinOp(lane, lane.next_seq(JOIN_NAME), mark)
         try:
             result = await Handle(engine, staging.submit(engine, lane, op))
         except PEER_ERRORS:

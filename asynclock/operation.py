@@ -15,14 +15,18 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
+from . import matching
 from .backends.base import Channel, DataTransport, Request
 from .errors import AsynclockError, BackendError
-from .header import HEADER_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, agree, check, pack
+from .header import HEADER_BYTES, SLOT_WORDS, WORDS, Call, agree, check, joining, pack
+
+if TYPE_CHECKING:
+    from .matching import FillerHost, Matcher
 
 Stage = Callable[[DataTransport], Request]  # called with the transport to use
 
@@ -35,13 +39,27 @@ class State(enum.Enum):
 
 
 class Lane:
-    """A channel plus its sequence counter and data-stage FIFO."""
+    """A channel plus its sequence counter and data-stage FIFO.
 
-    def __init__(self, transport: Channel) -> None:
+    A positional lane pairs the n-th call of every rank, and any disagreement
+    is that call's error. A lane `by_name` (the user's collectives, process
+    sets) pairs the same way while the ranks agree, and once they do not,
+    matches named calls by name and unnamed calls by their count of unnamed
+    calls (`asynclock.matching`), as Horovod does: a call only some ranks
+    issued waits for the others instead of shifting every later call.
+    """
+
+    def __init__(self, transport: Channel, by_name: bool = False) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
-        self.seq = 0
+        self.by_name = by_name
+        self.seq = 0  # W_SEQ: every call here, or the unnamed calls on a lane by name
+        self.rounds = 0  # header rounds issued on this rank: a round's index is its slot
+        self.matcher: Matcher | None = None  # set while a call waits to be matched
+        self.host: FillerHost | None = None  # the engine serving the lane (fillers)
+        self.names: dict[str, Operation] = {}  # named calls in flight
+        self.uncollected: Operation | None = None  # the last named call finished, not taken
         self.queue: deque[Operation] = deque()
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
@@ -53,9 +71,30 @@ class Lane:
         n = len(self.recent)
         return sorted(self.recent)[n // 2] if n >= 4 and n % 4 == 0 else None
 
-    def next_seq(self) -> int:
+    def next_seq(self, name: str = "") -> int:
+        """The W_SEQ of the next call; a named call on a lane by name takes none."""
+        if name and self.by_name:
+            return self.seq
         self.seq += 1
         return self.seq
+
+    def claim(self, name: str) -> None:
+        """Refuse a name that a call of this rank still holds, before anything is
+        sent: in flight, or finished but neither collected nor followed by another
+        round (whether it finished would otherwise be a race)."""
+        held = self.names.get(name)
+        if held is None:
+            held = self.uncollected
+            if held is None or held.call.name != name or held.collected \
+                    or held.slot != self.rounds:
+                return
+        raise ValueError(f"a collective named {name!r} is already in flight on "
+                         f"{self.transport.name}: {held.describe()}")
+
+    def settle(self) -> None:
+        """Process arrived header rounds in slot order (`asynclock.matching`)."""
+        if self.matcher is not None:
+            self.matcher.settle()
 
     def pump(self, issue: Callable[[Operation], None]) -> None:
         """Issue data stages strictly in header order; stop at the first not ready."""
@@ -79,7 +118,7 @@ class Operation:
     patient = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
-                 "awaiting_hint", "_recv")
+                 "awaiting_hint", "slot", "arrived", "collected", "_recv")
 
     def __init__(self, lane: Lane, call: Call) -> None:
         self.lane = lane
@@ -99,6 +138,9 @@ class Operation:
         # True while only a sign from outside MPI (`Engine.hint`) says the peers have
         # issued it: the poller then sleeps long instead of testing every millisecond.
         self.awaiting_hint = False
+        self.slot = 0  # the lane's round index of this op's header round
+        self.arrived = False  # header round complete, waiting for the matcher
+        self.collected = False  # someone took the outcome (frees the name)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -109,12 +151,23 @@ class Operation:
         self.fill_inline(send.view(np.uint8)[HEADER_BYTES:])
         self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
         self.request = lane.transport.iallgather_slots(send, self._recv)
+        self._enter(lane)
+
+    def _enter(self, lane: Lane) -> None:
+        """This op's round is the lane's newest: take its slot and FIFO place."""
+        lane.rounds += 1
+        self.slot = lane.rounds
+        if self.call.name and lane.by_name:
+            lane.names[self.call.name] = self
         lane.queue.append(self)
 
     def resume_header(self, request: Request, recv: np.ndarray[Any, Any]) -> None:
-        """Own a header round that `asynclock.tiny` started from its own buffers."""
+        """Own a header round that `asynclock.tiny` started (and counted) from its
+        own buffers."""
         self.request, self._recv = request, recv
-        self.lane.queue.append(self)
+        lane = self.lane
+        lane.rounds -= 1  # `_enter` counts it again
+        self._enter(lane)
 
     def resume_data(self, request: Request) -> None:
         """Own a data stage that `asynclock.tiny` issued after the headers agreed
@@ -150,14 +203,23 @@ class Operation:
             self._finish(self.finish)
 
     def _on_header(self) -> None:
-        rows = self._recv.reshape(self.lane.size, SLOT_WORDS)
-        if not agree(self._recv, self.lane.size):
+        lane = self.lane
+        rows = self._recv.reshape(lane.size, SLOT_WORDS)
+        if lane.matcher is not None or not agree(self._recv, lane.size):
+            if lane.by_name and (lane.matcher is not None or not joining(rows)):
+                self.arrived = True
+                matching.matcher_of(lane).settle()
+                return
             try:
                 self.joined = check(rows[:, :WORDS], self.call.kind)
             except AsynclockError as exc:
                 self.fail(exc)
                 return
-        payload = self._recv.view(np.uint8).reshape(self.lane.size, SLOT_BYTES)[:, HEADER_BYTES:]
+        self.on_rows(rows)
+
+    def on_rows(self, rows: np.ndarray[Any, Any]) -> None:
+        """Every rank's slot for this op agreed: plan its data stages, or finish."""
+        payload = rows.view(np.uint8)[:, HEADER_BYTES:]
         try:
             stages = self.plan(rows, payload)
         except Exception as exc:  # local arithmetic failed: this op's error
@@ -198,6 +260,11 @@ class Operation:
 
     def _done(self) -> None:
         self.state = State.DONE
+        name = self.call.name
+        if name and self.lane.names.get(name) is self:
+            del self.lane.names[name]
+            if not self.collected:
+                self.lane.uncollected = self
         if self.waiter is not None:
             self.waiter.set()
 
@@ -207,6 +274,7 @@ class Operation:
 
     def outcome(self) -> Any:
         """The result, or raise the op's error (a fresh raise on every call)."""
+        self.collected = True
         if self.error is not None:
             raise self.error
         return self.result

@@ -55,6 +55,7 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
     AGREE = 9
     JOIN = 10  # a rank that called join(): stands in for others' allreduces and barriers
+    FILLER = 11  # a round that proposes nothing: keeps a lane with unmatched ops turning
 
 
 # dtype codes: index into this table travels in headers.

@@ -89,7 +89,7 @@ async def make_subset(coord: Coordinator, ranks: Iterable[int]) -> Subset:
     channels = await _split(coord.backend, (f"set{ident}", f"set{ident}.grad"), chosen)
     if channels is None:
         return Subset(chosen, coord.rank, ident, None, None)
-    lane, grad_lane = (coord.add_lane(ch) for ch in channels)
+    lane, grad_lane = coord.add_lane(channels[0], by_name=True), coord.add_lane(channels[1])
     return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane, grad_lane)
 
 

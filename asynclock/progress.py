@@ -29,6 +29,7 @@ import anyio.abc
 from .alarm import Alarm
 from .errors import BackendError
 from .header import Call
+from .matching import filler_call
 from .operation import Lane, Operation, State
 from .ops import DTYPE_NAMES, Kind, ReduceOp
 from .progress_policy import ProgressPolicy
@@ -96,6 +97,43 @@ class Engine:
         # Waits outside the engine (the shared-memory gradient pipeline) report here,
         # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
+        self._fillers: dict[Lane, float] = {}  # lane -> when its filler round is due
+
+    def add_lane(self, lane: Lane) -> Lane:
+        """Serve `lane` (a lane by name gets its filler rounds from here)."""
+        self.lanes.append(lane)
+        lane.host = self
+        return lane
+
+    # -- filler rounds (asynclock.matching) ------------------------------------
+    def want_filler(self, lane: Lane, delay: float) -> None:
+        due = time.perf_counter() + delay
+        self._fillers[lane] = min(due, self._fillers.get(lane, due))
+        self._alarm.wake()
+
+    def _issue_fillers(self) -> float | None:
+        """Issue the filler rounds that are due; seconds until the next one."""
+        now, soonest = time.perf_counter(), None
+        for lane, due in list(self._fillers.items()):
+            if due > now:
+                soonest = due - now if soonest is None else min(soonest, due - now)
+                continue
+            del self._fillers[lane]
+            matcher = lane.matcher
+            if matcher is None or not matcher.filler_due() or self.failure is not None:
+                continue
+            op = Operation(lane, filler_call(lane, matcher.stuck()))
+            self._begin(op)
+            op.start()
+            self._adopt(op, False)
+        return soonest
+
+    def close_matching(self) -> None:
+        """Shutting down: lanes with calls waiting to be matched turn until every
+        rank's waiting calls expire (`asynclock.matching`)."""
+        for lane in self.lanes:
+            if lane.matcher is not None:
+                lane.matcher.close()
 
     # -- submission ------------------------------------------------------------
     def submit(self, op: Operation) -> Operation:
@@ -199,6 +237,7 @@ class Engine:
     def retire_lane(self, lane: Lane) -> None:
         """Stop serving `lane` (nothing in flight on it): its wait thread ends too."""
         self.lanes.remove(lane)
+        self._fillers.pop(lane, None)
         waiter = self._waiters.pop(lane, None) if self._waiters is not None else None
         if waiter is not None:
             waiter.stop()
@@ -257,8 +296,9 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
+            cap = self._issue_fillers() if self._fillers else None
             if not self.inflight:
-                await self._sleep_until_woken(None)
+                await self._sleep_until_woken(cap)
                 continue
             if self.poll_all():
                 self._last_progress = time.perf_counter()
@@ -266,7 +306,7 @@ class Engine:
                 # Only the wait thread can finish these, or a peer's sign must come
                 # first, and either wakes us: polling would just take the core (and
                 # the GIL the thread needs to return).
-                await self._sleep_until_woken(self.policy.max_sleep_s)
+                await self._sleep_until_woken(_sooner(self.policy.max_sleep_s, cap))
                 continue
             now = time.perf_counter()
             waited = now - self._last_progress
@@ -274,7 +314,7 @@ class Engine:
             if (waited < self.policy.busy_s and not patient) or now < self.eager_until:
                 await anyio.sleep(0)
             else:
-                await self._sleep_until_woken(self._idle_sleep(waited))
+                await self._sleep_until_woken(_sooner(self._idle_sleep(waited), cap))
 
     def _idle_sleep(self, waited: float) -> float:
         p = self.policy
@@ -364,8 +404,10 @@ class Engine:
         submission gets `error` instead of hanging."""
         self.failure = error
         ops, self.inflight = self.inflight, []
+        self._fillers.clear()
         for lane in self.lanes:
             lane.queue.clear()
+            lane.matcher = None
         for op in ops:
             if not op.done:
                 op.fail(_fresh(error))
@@ -376,6 +418,10 @@ class Engine:
         """From any thread: `fail_all` on the loop, or here when no loop runs."""
         if not self.call_soon_threadsafe(lambda: self.fail_all(error)):
             self.fail_all(error)
+
+
+def _sooner(timeout: float, cap: float | None) -> float:
+    return timeout if cap is None else min(timeout, cap)
 
 
 def _fresh(error: BaseException) -> BaseException:
@@ -419,6 +465,7 @@ class _NoLane:
     rank = 0
     size = 1
     transport = None
+    names: dict[str, Operation] = {}  # never written: raw requests are not named calls
 
 
 _NO_LANE: Any = _NoLane()

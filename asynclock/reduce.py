@@ -83,8 +83,12 @@ def fold(rows: Array, code: int, op: ReduceOp, size: int, out: Array) -> None:
 
 
 def divide(acc: Array, code: int, size: int) -> Array:
-    """Average = sum / size; integers use floor division, like torch's floor mode."""
-    out: Array = acc / acc.dtype.type(size) if code in FLOAT_CODES else acc // size
+    """Average = sum / size; integers round toward zero, as Horovod's average does."""
+    if code in FLOAT_CODES:
+        out: Array = acc / acc.dtype.type(size)
+        return out
+    out = acc.copy()
+    _truncating_divide(out, size)
     return out
 
 
@@ -93,4 +97,12 @@ def finish_average_inplace(arr: Array, code: int, size: int) -> None:
     if code in FLOAT_CODES:
         arr /= arr.dtype.type(size)
     else:
-        np.floor_divide(arr, size, out=arr)
+        _truncating_divide(arr, size)
+
+
+def _truncating_divide(arr: Array, size: int) -> None:
+    """In place, rounding toward zero (numpy's integer division floors)."""
+    negative = arr < 0
+    np.negative(arr, out=arr, where=negative)
+    np.floor_divide(arr, size, out=arr)
+    np.negative(arr, out=arr, where=negative)

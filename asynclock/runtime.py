@@ -115,7 +115,7 @@ class Coordinator(Collectives, SyncPrimitives):
     def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
         self.backend = backend
         self._engine = Engine(policy)
-        self._lane = self._add_lane("user")
+        self._lane = self._add_lane("user", by_name=True)
         self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
         self.more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
@@ -131,14 +131,13 @@ class Coordinator(Collectives, SyncPrimitives):
         self._lock = threading.Lock()
         self.watchdog = Watchdog.for_coordinator(self)  # heartbeats + stall inspector
 
-    def _add_lane(self, name: str) -> Lane:
-        return self.add_lane(self.backend.channel(name))
+    def _add_lane(self, name: str, by_name: bool = False) -> Lane:
+        return self.add_lane(self.backend.channel(name), by_name)
 
-    def add_lane(self, channel: Any) -> Lane:
-        """Serve `channel` (made collectively, e.g. a process set's) on this engine."""
-        lane = Lane(channel)
-        self._engine.lanes.append(lane)
-        return lane
+    def add_lane(self, channel: Any, by_name: bool = False) -> Lane:
+        """Serve `channel` (made collectively, e.g. a process set's) on this engine;
+        `by_name`: the user's calls, matched by name once ranks disagree."""
+        return self._engine.add_lane(Lane(channel, by_name))
 
     def remove_lane(self, lane: Lane) -> None:
         """Stop serving a lane with nothing in flight and free its channel."""
@@ -255,7 +254,10 @@ class Coordinator(Collectives, SyncPrimitives):
             self._engine_owner = owner
 
     async def drain(self, timeout: float = 60.0) -> None:
-        """Wait until every started collective completed on this rank."""
+        """Wait until every started collective completed on this rank. Every rank
+        drains together (shutdown, removing a process set), so calls that some
+        ranks issued and others never will fail now (`UnmatchedError`)."""
+        self._engine.close_matching()
         with anyio.fail_after(timeout):
             while self._engine.inflight:
                 await anyio.sleep(0.001)

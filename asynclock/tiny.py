@@ -36,7 +36,17 @@ from . import fastpath, staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .errors import BackendError
 from .handle import Handle
-from .header import HEADER_BYTES, INLINE_BYTES, SLOT_BYTES, SLOT_WORDS, WORDS, Call, check, pack
+from .header import (
+    HEADER_BYTES,
+    INLINE_BYTES,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    WORDS,
+    Call,
+    check,
+    joining,
+    pack,
+)
 from .operation import Lane, Operation
 from .ops import BFLOAT16, DTYPE_CODES, HALF_CODES, NUMPY_OF_CODE, Kind, ReduceOp, as_reduce_op
 from .progress import Engine
@@ -73,6 +83,7 @@ class Signature(NamedTuple):
     make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
     op: ReduceOp | None = None  # set for an allreduce whose data follows the header
     fold: int = 0  # the C round's fold of the inline rows (`fastpath.FOLDS`); 0: `finish`
+    bump: int = 1  # 0: a named call on a lane by name takes no W_SEQ (`Lane.next_seq`)
 
 
 class TinyCollectives:
@@ -104,6 +115,8 @@ class TinyCollectives:
 
     # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
     def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
+        if name:
+            self._lane.claim(name)
         view = self._view(obj, inplace)
         if view is None:
             return NOT_TINY
@@ -146,6 +159,8 @@ class TinyCollectives:
         return obj if inplace else _wrap(obj, sig.code)(out.reshape(shape))
 
     def broadcast(self, obj: Any, root: int, name: str | None, inplace: bool) -> Any:
+        if name:
+            self._lane.claim(name)
         if not 0 <= root < self._size:
             return NOT_TINY  # the general path names the bad root on every rank
         view = self._view(obj, inplace)
@@ -163,6 +178,8 @@ class TinyCollectives:
         return self._result(sig, obj, a, shape, out, inplace, req)
 
     def barrier(self, name: str | None) -> Any:
+        if name:
+            self._lane.claim(name)
         if not self._engine_ready():
             return NOT_TINY
         key = (Kind.BARRIER, name)
@@ -176,12 +193,14 @@ class TinyCollectives:
     # -- the shared steps ---------------------------------------------------------
     def _engine_ready(self) -> bool:
         engine = self._engine
-        return engine.on_event is None and engine.failure is None and self._lane not in self._gates
+        return (engine.on_event is None and engine.failure is None and self._lane.matcher is None
+                and self._lane not in self._gates)
 
     def _view(self, obj: Any, inplace: bool) -> tuple[Array, int, Any] | None:
         """The input's flat numpy view, dtype code and shape; None: general path."""
         engine = self._engine  # `_engine_ready`, inlined
-        if engine.on_event is not None or engine.failure is not None or self._lane in self._gates:
+        if engine.on_event is not None or engine.failure is not None or self._lane in self._gates \
+                or self._lane.matcher is not None:
             return None
         last = self._last
         if (obj is last.tensor and obj.data_ptr() == last.ptr and obj.dtype is last.dtype
@@ -204,7 +223,8 @@ class TinyCollectives:
         taught = lane if whole else None
         if rnd is None:
             return self._exchange_python(sig, b"" if data is None else data.tobytes(), taught)
-        seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
+        seq = self._seq = lane.seq = lane.seq + sig.bump  # Lane.next_seq, inlined
+        lane.rounds += 1
         issued_at = self._issued_at = time.perf_counter()
         state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
                              sig.fold if out is not None else 0, out)
@@ -222,7 +242,8 @@ class TinyCollectives:
         """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
-        seq = self._seq = lane.seq = lane.seq + 1  # Lane.next_seq, inlined
+        seq = self._seq = lane.seq = lane.seq + sig.bump  # Lane.next_seq, inlined
+        lane.rounds += 1
         self._send[1] = seq  # W_SEQ
         send_bytes[HEADER_BYTES:sig.end] = payload
         issued_at = self._issued_at = time.perf_counter()
@@ -261,10 +282,15 @@ class TinyCollectives:
         return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
                    for r in range(1, self._size))
 
-    def _check(self, sig: Signature) -> tuple[int, ...]:
-        """Headers differ: raise the general path's error (same text on every rank),
-        or name the ranks that joined and stand in (`asynclock.join`)."""
-        return check(self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS], sig.call.kind)
+    def _check(self, sig: Signature) -> bool | tuple[int, ...]:
+        """Headers differ: on a lane by name, hand the round to the general path,
+        which matches it (`asynclock.matching`); else raise the general path's
+        error (same text on every rank), or name the ranks that joined and stand
+        in (`asynclock.join`)."""
+        rows = self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS]
+        if self._lane.by_name and not joining(rows):
+            return True
+        return check(rows, sig.call.kind)
 
     # -- slow edges ---------------------------------------------------------------
     def _remember(self, key: tuple[Any, ...], sig: Signature | None) -> Signature | None:
@@ -313,7 +339,9 @@ class TinyCollectives:
                    make: Callable[[Call, Buffer | None, Array | None], Operation]) -> Signature:
         header = np.zeros(WORDS, np.int64)
         pack(call, header)
-        return Signature(call, header.tobytes(), HEADER_BYTES + inline, code, finish, make)
+        bump = 0 if call.name and self._lane.by_name else 1
+        return Signature(call, header.tobytes(), HEADER_BYTES + inline, code, finish, make,
+                         bump=bump)
 
     def _rows(self, code: int, n: int) -> Array:
         """Each rank's inline payload in the receive slots, as `n` elements of `code`."""

@@ -9,7 +9,7 @@ import torch
 from asynclock.errors import MismatchError, RemoteInputError
 from asynclock.header import SLOT_WORDS, WORDS, Call, check, label, pack
 from asynclock.ops import DTYPE_CODES, Kind, ReduceOp, as_reduce_op
-from asynclock.reduce import fold, from_compute, to_compute
+from asynclock.reduce import finish_average_inplace, fold, from_compute, to_compute
 from asynclock.tensors import InputFault, InputRejected, as_buffer
 
 
@@ -72,10 +72,14 @@ def test_bfloat16_round_trip_and_rounding() -> None:
     assert torch.equal(torch.from_numpy(summed.view(np.int16)).view(torch.bfloat16), expect)
 
 
-def test_integer_average_floors() -> None:
+def test_integer_average_rounds_toward_zero() -> None:
+    """As Horovod's average (its join test observes it): -3 / 2 is -1, not -2."""
     out = np.empty(2, np.int64)
     fold(np.array([[1, -1], [2, -2]], np.int64), DTYPE_CODES["int64"], ReduceOp.AVERAGE, 2, out)
-    assert out.tolist() == [1, -2]
+    assert out.tolist() == [1, -1]
+    inplace = np.array([3, -3, 4, -4, 0], np.int32)
+    finish_average_inplace(inplace, DTYPE_CODES["int32"], 2)
+    assert inplace.tolist() == [1, -1, 2, -2, 0]
 
 
 @pytest.mark.parametrize("bad, fault", [

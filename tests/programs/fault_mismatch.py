@@ -93,7 +93,7 @@ def expected(s: Spec, rank: int, size: int) -> Any:
         acc = np.stack([r.astype(np.float64) for r in rows])
         red = {"sum": acc.sum(0), "min": acc.min(0), "max": acc.max(0),
                "average": acc.sum(0) / size}[s.op]
-        return np.floor(red) if s.op == "average" and "int" in s.dtype else red
+        return np.trunc(red) if s.op == "average" and "int" in s.dtype else red
     if s.kind == "broadcast":
         return rows[s.root]
     if s.kind == "allgather":

@@ -1,0 +1,50 @@
+"""pytest plugin: `import horovod.torch` resolves to `asynclock.torch`.
+
+Loaded with `-p hvd_alias` before Horovod's test files are imported. The rest
+of the `horovod` package stays the real one (their helper module imports
+`horovod.runner`). With ASYNCLOCK_CONFORMANCE_TARGET=horovod it does nothing,
+so the same command runs the suite against real Horovod.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _alias() -> None:
+    import horovod  # the real package: its runner helpers stay importable
+
+    import asynclock.torch
+    import asynclock.torch.mpi_ops
+
+    sys.modules["horovod.torch"] = asynclock.torch
+    sys.modules["horovod.torch.mpi_ops"] = asynclock.torch.mpi_ops
+    horovod.torch = asynclock.torch  # type: ignore[attr-defined]
+
+
+if os.environ.get("ASYNCLOCK_CONFORMANCE_TARGET", "asynclock") == "asynclock":
+    _alias()
+
+
+_LOG = os.environ.get("ASYNCLOCK_CONFORMANCE_LOG")  # a JSONL file per rank, appended per test
+
+
+def pytest_runtest_logreport(report: object) -> None:
+    """Write each test's outcome as it happens: a job killed by its timeout still
+    leaves what ran (a JUnit file is only written at the end)."""
+    if not _LOG:
+        return
+    import json
+
+    when, outcome = getattr(report, "when"), getattr(report, "outcome")
+    if when != "call" and outcome == "passed":
+        return  # setup/teardown that passed says nothing
+    name = str(getattr(report, "nodeid")).rsplit("::", 1)[-1]
+    detail = ""
+    if outcome == "failed":
+        detail = str(getattr(report, "longreprtext", ""))[-600:]
+    with open(_LOG, "a") as f:
+        f.write(json.dumps({"test": name, "when": when, "outcome": outcome,
+                            "detail": detail}) + "\n")
+        f.flush()

@@ -1,0 +1,134 @@
+"""Run Horovod's own PyTorch tests against asynclock or real Horovod; merge the ranks.
+
+    python tests/conformance/run.py --target asynclock --np 2 [--mpi system] [--out DIR]
+    python tests/conformance/run.py --target horovod --np 2 --write-reference
+
+A test's outcome is merged over ranks: `passed` only where every rank passed it,
+`skipped` where every rank skipped it, `failed` where any rank failed or errored,
+and `missing` where a rank never reported it (the job hung or crashed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SUITE = ROOT.parent / "shared" / "conformance" / "horovod" / "test" / "parallel"
+FILES = ("test_torch.py", "test_adasum_pytorch.py")
+REFERENCE = HERE / "reference.json"
+sys.path.insert(0, str(ROOT / "mpi"))
+import mpi_select  # noqa: E402
+
+
+def suite_missing() -> str:
+    """Why the suite cannot run here ("" when it can)."""
+    if not SUITE.is_dir():
+        return f"Horovod's test files are not at {SUITE} (they come with the project's shared/)"
+    return ""
+
+
+def run(target: str, nranks: int, out: Path, *, kind: str = "auto", timeout: float = 360,
+        test_timeout: int = 60, files: tuple[str, ...] = FILES,
+        env: dict[str, str] | None = None) -> dict[str, object]:
+    """One job: every rank runs pytest over `files`; returns the merged summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*"):
+        old.unlink()
+    full_env = mpi_select.environ_for(kind)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                     "PYTHONDONTWRITEBYTECODE": "1",
+                     "ASYNCLOCK_CONFORMANCE_TARGET": target,
+                     "PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")})
+    full_env.update(env or {})
+    cmd = [*mpi_select.launcher(kind, nranks), sys.executable, str(HERE / "rank_pytest.py"),
+           str(out), str(test_timeout), *(str(SUITE / f) for f in files)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=SUITE, start_new_session=True)
+    timed_out = False
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        timed_out = True
+    (out / "output.txt").write_text(text)
+    merged = merge([read_log(out / f"rank{r}.jsonl") for r in range(nranks)])
+    counts: dict[str, int] = {}
+    for outcome in merged.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    summary = {"target": target, "np": nranks, "mpi": mpi_select.resolve(kind),
+               "seconds": round(time.monotonic() - start, 1), "returncode": proc.returncode,
+               "timed_out": timed_out, "counts": counts, "tests": merged}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    return summary
+
+
+def read_log(path: Path) -> dict[str, str]:
+    """test -> outcome on one rank (a failed setup/teardown fails the test)."""
+    outcomes: dict[str, str] = {}
+    if not path.exists():
+        return outcomes
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["outcome"] == "failed" or outcomes.get(row["test"]) != "failed":
+            outcomes[row["test"]] = row["outcome"]
+    return outcomes
+
+
+def merge(ranks: list[dict[str, str]]) -> dict[str, str]:
+    names = sorted(set().union(*ranks)) if ranks else []
+    merged: dict[str, str] = {}
+    for name in names:
+        seen = [r.get(name, "missing") for r in ranks]
+        if "missing" in seen:
+            merged[name] = "missing"
+        elif "failed" in seen:
+            merged[name] = "failed"
+        elif all(s == "skipped" for s in seen):
+            merged[name] = "skipped"
+        elif all(s in ("passed", "skipped") for s in seen) and "passed" in seen:
+            merged[name] = "passed" if all(s == "passed" for s in seen) else "partly skipped"
+        else:
+            merged[name] = "/".join(seen)
+    return merged
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", choices=("asynclock", "horovod"), default="asynclock")
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--mpi", default="auto")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=360)
+    ap.add_argument("-k", dest="select", default="", help="run only tests whose name has this")
+    ap.add_argument("--file", action="append", choices=FILES, help="default: each in turn")
+    args = ap.parse_args()
+    why = suite_missing()
+    if why:
+        print(why)
+        return 2
+    out = args.out or Path("/tmp") / f"conformance-{args.target}-{args.np}"
+    env = {"ASYNCLOCK_CONFORMANCE_SELECT": args.select} if args.select else None
+    for file in args.file or FILES:  # one job per file, as Horovod's CI runs them
+        summary = run(args.target, args.np, out / Path(file).stem, kind=args.mpi,
+                      timeout=args.timeout, files=(file,), env=env)
+        tests = summary.pop("tests")
+        print(file, json.dumps(summary))
+        assert isinstance(tests, dict)
+        for name, outcome in sorted(tests.items()):
+            if outcome != "passed":
+                print(f"  {outcome:8} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
