@@ -55,7 +55,7 @@ class StallError(AsynclockError, RuntimeError):
     """An operation waited past the stall shutdown threshold."""
 
 
-class UnmatchedError(AsynclockError, RuntimeError):
-    """A collective that some ranks issued and the others never did: no rank
-    could proceed (or the job shut down) while it waited to be matched. The
-    message names every rank's unmatched calls."""
+class UnmatchedError(MismatchError):
+    """Collectives that some ranks issued and the others never did (e.g. a name
+    that differs by rank): every rank waited on such calls past the stray timeout,
+    or the job shut down. The message names every rank's unmatched calls."""

@@ -343,7 +343,8 @@ class Engine:
         progressed = False
         for op in self.inflight:
             try:
-                if op.poll():
+                # done already: the matcher finished it from another op's round
+                if op.poll() or op.done:
                     progressed = True
             except Exception as exc:  # a transport error (e.g. a dead peer) ends this op only
                 op.fail(BackendError(f"{op.describe()}: {exc}"))
@@ -372,7 +373,8 @@ class Engine:
                 hook("done", op, now)
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(len(self.inflight), self._issued, self._completed,
+        in_flight = sum(not op.done for op in self.inflight)  # the poller reaps done ones
+        return EngineStatistics(in_flight, self._issued, self._completed,
                                 self._detached, self._thread_waits, self.running)
 
     # -- for the watchdog (any thread) -------------------------------------------

@@ -24,7 +24,7 @@ class ProgressPolicy:
     thread_min_bytes: int = 1 << 20
     # A call some ranks issued and the others never did fails (UnmatchedError)
     # once every rank waits on such calls and each has waited this long.
-    stray_s: float = 30.0
+    stray_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> ProgressPolicy:
@@ -32,4 +32,4 @@ class ProgressPolicy:
                    max_spin_s=env_float("ASYNCLOCK_MAX_SPIN_US", 1000) * 1e-6,
                    busy_s=env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
                    thread_min_bytes=int(env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)),
-                   stray_s=env_float("ASYNCLOCK_STRAY_S", 30.0))
+                   stray_s=env_float("ASYNCLOCK_STRAY_S", 10.0))

@@ -41,7 +41,8 @@ def test_collectives_matrix_other_mpi(kind: str, nranks: int, loop: str) -> None
 
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_bad_input_errors_on_every_rank(nranks: int) -> None:
-    job = run_job("bad_input.py", nranks, timeout=120)
+    # a name that differs by rank waits out the stray timeout, then UnmatchedError
+    job = run_job("bad_input.py", nranks, timeout=120, env={"ASYNCLOCK_STRAY_S": "0.5"})
     assert_all_ok(job, nranks)
     labels = ["dtype_unsupported", "root", "not_tensor", "after_shutdown", "not_initialized"]
     if nranks > 1:

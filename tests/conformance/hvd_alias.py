@@ -37,10 +37,10 @@ def pytest_runtest_logreport(report: object) -> None:
         return
     import json
 
-    when, outcome = getattr(report, "when"), getattr(report, "outcome")
+    when, outcome = report.when, report.outcome
     if when != "call" and outcome == "passed":
         return  # setup/teardown that passed says nothing
-    name = str(getattr(report, "nodeid")).rsplit("::", 1)[-1]
+    name = str(report.nodeid).rsplit("::", 1)[-1]
     detail = ""
     if outcome == "failed":
         detail = str(getattr(report, "longreprtext", ""))[-600:]

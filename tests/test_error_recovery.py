@@ -1,0 +1,38 @@
+"""An error is local to the call that failed (issue: conformance and error recovery).
+
+`programs/error_trials.py` runs 200 randomized trials per job: one bad call on a
+random subset of ranks (a shape, dtype, op or kind mismatch, names that differ,
+invalid input, a named call issued early by some ranks, a cancelled wait, a
+duplicate name in flight, named calls issued in different orders), then 20
+ordinary collectives that must give exact results on every rank, with nothing
+left in flight after each trial.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mpijob import assert_all_ok, horovod_status, run_job
+
+STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_error_trials_mpi(nranks: int, loop: str) -> None:
+    args = ["--trials", "200"] + (["--trio"] if loop == "trio" else [])
+    job = run_job("error_trials.py", nranks, *args, timeout=180, env=STRAY)
+    assert_all_ok(job, nranks)
+    assert "mpi: 200 trials" in job.output, job.explain()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_error_trials_horovod(nranks: int, loop: str) -> None:
+    kind, why = horovod_status()
+    if why:
+        pytest.skip(why)
+    args = ["--trials", "200"] + (["--trio"] if loop == "trio" else [])
+    job = run_job("error_trials.py", nranks, *args, timeout=180, kind=kind,
+                  env={**STRAY, "ASYNCLOCK_BACKEND": "horovod"})
+    assert_all_ok(job, nranks)
+    assert "horovod: 200 trials" in job.output, job.explain()
