@@ -50,9 +50,8 @@ __all__ = [
     "EngineStatistics", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "Product", "ProgressPolicy", "RankFailedError", "ReduceOp",
     "RemoteInputError", "ShutdownError", "StallError", "Sum", "UnmatchedError",
-    "coordinator",
-    "cross_rank", "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
-    "size", "start",
+    "coordinator", "cross_rank", "cross_size", "init", "is_initialized", "local_rank",
+    "local_size", "rank", "shutdown", "size", "start",
     # cross-rank primitives, checkpoints, data (issue 5)
     "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "JoinedError",
     "Lock",
