@@ -32,6 +32,16 @@ from ..runtime import (
 )
 from .compression import Compression, Compressor
 from .config import Tuning, training_policy
+from .differentiable import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from .extras import (
     HorovodInternalError,
     ccl_built,
@@ -42,34 +52,26 @@ from .extras import (
 )
 from .grouped_ops import (
     alltoall_async,
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     reducescatter_async,
 )
 from .mpi_ops import (
-    allgather,
     allgather_async,
     allgather_object,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     broadcast_object,
     join,
     poll,
-    reducescatter,
     synchronize,
 )
 from .optimizer import DistributedOptimizer

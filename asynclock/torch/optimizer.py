@@ -212,6 +212,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._base_class.load_state_dict(self, state_dict)  # sharded: a hook fills the window
 
     @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's map from each reduced parameter to its name."""
+        registry = self._reducer.registry
+        return dict(zip(registry.params, registry.names, strict=True))
+
+    @property
     def sharded(self) -> Shards | None:
         """The node's shared parameters and this rank's pieces, once sharding started."""
         return self._reducer.shards

@@ -42,19 +42,51 @@ async def broadcast_parameters_async(coord: runtime.Coordinator, params: Any,
 
 async def broadcast_optimizer_state_async(coord: runtime.Coordinator,
                                           optimizer: torch.optim.Optimizer,
-                                          root_rank: int = 0) -> None:
+                                          root_rank: int = 0, model: Any = None) -> None:
     """Root's optimizer state (buffers and hyperparameters) on every rank.
 
-    Unlike Horovod, no zero-gradient step is taken to create missing state:
-    the whole state dict is broadcast and loaded, so an empty state stays
-    empty everywhere and parameters never move.
+    As in Horovod, a rank whose optimizer has no state yet first creates it with
+    one local step on zero gradients (`create_missing_state`), so that root's
+    buffers have somewhere to go; then the whole state dict (hyperparameters too,
+    also for a stateless optimizer) is broadcast and loaded.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    create_missing_state(optimizer, model)
     state = optimizer.state_dict() if coord.rank == root_rank else None
     state = await coord.broadcast_object(state, root_rank, name="optimizer.state")
     if coord.rank != root_rank:
         optimizer.load_state_dict(state)
+
+
+def create_missing_state(optimizer: torch.optim.Optimizer, model: Any = None) -> None:
+    """An optimizer without state takes one local step with every trainable
+    parameter's gradient set to zeros (sparse ones where the optimizer or the
+    model's sparse embeddings want them), as Horovod does before broadcasting.
+
+    A `DistributedOptimizer` steps as its wrapped class: its own `step()` would
+    reduce gradients, a collective that ranks whose state exists never join. A
+    sharded one keeps its state in the node's window and is left alone.
+    """
+    if optimizer.state_dict()["state"] or getattr(optimizer, "sharded", None) is not None:
+        return
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            zeros = torch.zeros_like(p)
+            if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                p.grad = zeros.to_sparse()
+            elif p.grad is not None and p.grad.layout == torch.strided:
+                p.grad.zero_()  # a DistributedOptimizer's bucket view stays in place
+            else:
+                p.grad = zeros
+    local_class: type[torch.optim.Optimizer] = getattr(type(optimizer), "_base_class",
+                                                       type(optimizer))
+    local_class.step(optimizer)
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
@@ -67,4 +99,4 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               model: Any = None) -> None:
     """`hvd.broadcast_optimizer_state(optimizer, root_rank=0)`."""
     coord = runtime.coordinator()
-    coord.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank)
+    coord.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank, model)
