@@ -21,6 +21,9 @@ the grace in which they say what they were waiting for. Every rank exiting
 non-zero on its own works with any launcher, and launchers that clean up
 (hydra, Open MPI's mpirun) then only speed it up.
 
+`sys.exit(n)` with n != 0 stops every rank too, quietly: no traceback, and
+every rank exits with n (`_deliberate_exit`).
+
 `ASYNCLOCK_ON_ERROR=raise` turns this off (the exception propagates as in a
 single process); world size 1 never needs it.
 """
@@ -124,12 +127,31 @@ def on_uncaught(coord: Coordinator, exc: BaseException) -> None:
 def _stop_job(rank: int, size: int, watchdog: Watchdog | None, exc: BaseException) -> None:
     if size <= 1 or not is_failure(exc) or policy() != "abort":
         return
+    if isinstance(exc, SystemExit):
+        _deliberate_exit(rank, watchdog, exc)
     if watchdog is not None and watchdog.stopping is not None:
         hard_exit(watchdog.exit_code)  # a consequence of a failure already reported
     write_stderr(traceback_text(rank, size, exc))
     if watchdog is not None:
         watchdog.announce_failure(summary(exc))
     hard_exit(exit_code(exc))
+
+
+def _deliberate_exit(rank: int, watchdog: Watchdog | None, exc: SystemExit) -> None:
+    """`sys.exit(n)`, n != 0: the job ends with status n, with no traceback, as a
+    single Python process does (a non-integer code is printed and gives 1).
+
+    Still a stop of the whole job: the peers cannot finish without this rank,
+    and a rank that sat in MPI_Finalize while they wait would hang (hydra) or
+    take the runner down (Open MPI). So the peers hear it at once and exit
+    with the same status; this rank leaves with `os._exit`, like a failed one.
+    """
+    code = exc.code if isinstance(exc.code, int) else EXIT_UNCAUGHT
+    if not isinstance(exc.code, int):
+        write_stderr(f"{exc.code}\n")
+    if watchdog is not None and watchdog.stopping is None:
+        watchdog.announce_exit(code)
+    hard_exit(code)
 
 
 def install_excepthook(rank: int, size: int) -> None:

@@ -91,6 +91,7 @@ class PeerStatus:
     oldest_age: float = 0.0
     loop_lag: float = 0.0
     reason: str = ""
+    exit_code: int = 0  # with `failed`: the status every rank ends with (0: EXIT_RANK_FAILED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,13 +175,14 @@ class Watchdog:
         self._heard = dict.fromkeys(self.peers, now)
         self._closed: set[int] = set()
         self._dead: set[int] = set()
-        self._sends: list[Any] = []
+        self._sends: list[tuple[int, Any]] = []  # (peer, request)
         self._reported: set[int] = set()
         self._closed_seen: dict[tuple[int, int], float] = {}  # (peer, op) -> first verdict
         self._wake, self._stop, self._told = threading.Event(), threading.Event(), threading.Event()
         self._fatal: tuple[str, type[Exception] | None, bool] | None = None
         self.stopping: str | None = None
         self.exit_code = 0
+        self._job_code = 0  # a `sys.exit(n)` somewhere: every rank ends with n
         self._ping_at: float | None = None
         self._lag = 0.0
         self._sent = self._received = self._stalls = 0
@@ -223,6 +225,14 @@ class Watchdog:
         if self._thread.is_alive():
             self._told.wait(timeout=2.0)
 
+    def announce_exit(self, code: int) -> None:
+        """This rank called `sys.exit(code)`: every live peer stops with `code` too."""
+        self._job_code = code
+        self._set_fatal(f"rank {self.rank} exited with status {code}", None, code, local=False)
+        self._wake.set()
+        if self._thread.is_alive():
+            self._told.wait(timeout=2.0)
+
     def statistics(self) -> WatchdogStatistics:
         return WatchdogStatistics(self._thread.is_alive(), self._sent, self._received, self._cpu,
                                   self._stalls, len(self._sends), tuple(sorted(self._closed)),
@@ -255,8 +265,8 @@ class Watchdog:
         snap = self.engine.snapshot()
         self._ping_loop(now)
         try:
+            self._drain(now)  # first: a peer that said `closing` needs no more heartbeats
             self._reap()
-            self._drain(now)
             self._send_all(self._status(snap, RUNNING))
         except Exception as exc:  # e.g. MPI reporting a dead peer: silence will tell
             self._note_error(exc)
@@ -273,7 +283,7 @@ class Watchdog:
     def _status(self, snap: EngineSnapshot, state: int, reason: str = "") -> tuple[Any, ...]:
         oldest = snap.ops[0] if snap.ops else None
         return (state, snap.lane_seqs, oldest.description if oldest else "",
-                oldest.age_s if oldest else 0.0, self._lag, reason)
+                oldest.age_s if oldest else 0.0, self._lag, reason, self._job_code)
 
     def _send_all(self, status: tuple[Any, ...]) -> None:
         link = self.link
@@ -281,11 +291,27 @@ class Watchdog:
             return
         for peer in self.peers:
             if peer not in self._closed and peer not in self._dead:
-                self._sends.append(link.send(status, peer))
+                self._sends.append((peer, link.send(status, peer)))
                 self._sent += 1
 
-    def _reap(self) -> None:
-        self._sends = [req for req in self._sends if not req.Test()]
+    def _reap(self, *, quiet: bool = False) -> None:
+        """Drop the completed sends. A send that fails to a peer that said `closing`
+        (its end of the TCP mesh is gone), or any failing send when `quiet`, is
+        dropped without a word: a peer that has left needs no more statuses."""
+        pending: list[tuple[int, Any]] = []
+        error: Exception | None = None
+        for peer, req in self._sends:
+            try:
+                if not req.Test():
+                    pending.append((peer, req))
+            except Exception as exc:
+                if quiet or peer in self._closed:
+                    log.debug("asynclock[rank %d]: rank %d has left: %r", self.rank, peer, exc)
+                else:
+                    error = error or exc
+        self._sends = pending
+        if error is not None:
+            raise error
 
     def _drain(self, now: float) -> None:
         assert self.link is not None
@@ -298,8 +324,10 @@ class Watchdog:
         self.peers[peer] = st
         if st.state == CLOSING:
             self._closed.add(peer)
-        elif st.state == FAILED:
-            self._set_fatal(relay_text(peer, st.reason), RankFailedError, EXIT_RANK_FAILED)
+        elif st.state == FAILED and self.stopping is None:
+            self._job_code = st.exit_code  # a `sys.exit(n)`: relayed, so every rank ends with n
+            self._set_fatal(relay_text(peer, st.reason), RankFailedError,
+                            st.exit_code or EXIT_RANK_FAILED)
 
     def _ping_loop(self, now: float) -> None:
         """Measure how long the event loop leaves a callback waiting."""
@@ -372,9 +400,9 @@ class Watchdog:
             f"rank {self.rank} stopped the job: {message}")
         try:
             self._send_all(self._status(snap, FAILED, reason[:2000]))
-            self._flush_sends(0.5)
         except Exception as exc:
             self._note_error(exc)
+        self._flush_sends(0.5)
         self._told.set()
         if error is not None:
             self.engine.fail_all_soon(error(f"{message}{doing}"))
@@ -382,21 +410,36 @@ class Watchdog:
         hard_exit(self.exit_code)
 
     def _goodbye(self) -> None:
-        """Clean close: peers stop expecting us; nothing pending at MPI_Finalize."""
+        """Clean close: peers stop expecting us; nothing pending at MPI_Finalize.
+
+        The peers shut down at about the same time, and one that has already
+        closed its end (under `horovodrun --gloo` its TCP mesh then resets) needs
+        no goodbye: what fails to reach a peer here is no error, only logged at
+        debug level. A peer's own `closing` is read first, so it is not even tried.
+        """
+        assert self.link is not None
         try:
-            self._reap()
-            self._send_all(self._status(self.engine.snapshot(), CLOSING))
-            self._flush_sends(2.0)
+            self._drain(time.monotonic())
         except Exception as exc:
-            log.warning("asynclock[rank %d]: watchdog close: %r", self.rank, exc)
+            log.debug("asynclock[rank %d]: watchdog close: %r", self.rank, exc)
+        status = self._status(self.engine.snapshot(), CLOSING)
+        for peer in self.peers:
+            if peer in self._closed or peer in self._dead:
+                continue
+            try:
+                self._sends.append((peer, self.link.send(status, peer)))
+            except Exception as exc:
+                log.debug("asynclock[rank %d]: rank %d has left: %r", self.rank, peer, exc)
+        self._flush_sends(2.0)
 
     def _flush_sends(self, timeout: float) -> None:
+        """Wait up to `timeout` for the sends; those to peers that left are dropped."""
         deadline = time.monotonic() + timeout
         while self._sends and time.monotonic() < deadline:
-            self._reap()
+            self._reap(quiet=True)
             if self._sends:
                 time.sleep(0.001)
-        for req in self._sends:  # a dead or frozen peer: do not wait in MPI_Finalize
+        for _peer, req in self._sends:  # a dead or frozen peer: do not wait in MPI_Finalize
             try:
                 req.Cancel()
                 req.Free()

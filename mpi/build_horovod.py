@@ -288,6 +288,35 @@ def install_wheel(wheel: Path) -> None:
          str(wheel)])
 
 
+HOROVODRUN = """#!{python}
+# horovodrun with the environment of the MPI Horovod is built for (MPICH's mpirun
+# comes first on an activated venv's PATH): see asynclock/hvdrun.py. Written by
+# mpi/build_horovod.py in place of Horovod's own script, which it then runs.
+import sys
+
+try:
+    from asynclock.hvdrun import main
+except Exception:  # no (working) asynclock in this venv: Horovod's own entry
+    from horovod.runner.launch import run_commandline as main
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def install_horovodrun() -> None:
+    """Put our `horovodrun` in the venv's bin/ (idempotent; pip rewrites it on
+    every Horovod install, so this runs after each, and on every up-to-date check)."""
+    path = mpi_select.venv_prefix() / "bin" / "horovodrun"
+    text = HOROVODRUN.format(python=venv_python())
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(".horovodrun.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(path)
+    log(f"installed {path} (the MPI controller gets the environment of Horovod's MPI)")
+
+
 def verify(kind: str) -> None:
     """Check Horovod imports, initialises, and reports MPI+Gloo built."""
     env = mpi_select.environ_for(kind)
@@ -321,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     kdir = key_dir(key)
     log("key: " + json.dumps(key, sort_keys=True))
     if not args.force and installed_matches(key) and cached_wheel(kdir):
+        install_horovodrun()
         log(f"up to date: {cached_wheel(kdir)} (nothing to do, {time.monotonic() - start:.1f} s)")
         return 0
     wheel = None if args.force else cached_wheel(kdir)
@@ -333,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wheel only: {wheel} ({time.monotonic() - start:.0f} s)")
         return 0
     install_wheel(wheel)
+    install_horovodrun()
     if not args.no_verify:
         verify(kind)
     stamp_path().write_text(json.dumps(key, indent=2, sort_keys=True))  # only once it works

@@ -122,20 +122,39 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
+def activated_venv_env() -> dict[str, str]:
+    """The environment of a shell after `source .venv/bin/activate`: the venv's bin/
+    (MPICH's mpirun included) first on PATH, and no MPI set up by the kit."""
+    venv = Path(sys.prefix)
+    ours = {str(venv / "bin"), str(mpi_select.shim_dir())}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "MPI4PY_", "ASYNCLOCK_MPI"))}
+    rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p not in ours]
+    env.update(PATH=os.pathsep.join([str(venv / "bin"), *rest]), VIRTUAL_ENV=str(venv))
+    return env
+
+
 def run_horovodrun(program: str, nranks: int, *args: str, gloo: bool = False,
-                   timeout: float = 180, env: dict[str, str] | None = None) -> Job:
+                   timeout: float = 180, env: dict[str, str] | None = None,
+                   activated: bool = False) -> Job:
     """Run tests/programs/<program> under `horovodrun -np N [--gloo]`; kill it on timeout.
 
     The MPI controller needs Open MPI's mpirun first on PATH (the kit's shim
-    dir); the gloo controller needs no MPI at all. Output tags such as
-    `[1,0]<stdout>:` are stripped so `Job.ok_lines` reads the rank lines.
+    dir); the gloo controller needs no MPI at all. `activated`: as a user types
+    it with the venv active, `horovodrun ... python prog.py` found on PATH and
+    nothing else set up. Output tags such as `[1,0]<stdout>:` are stripped so
+    `Job.ok_lines` reads the rank lines.
     """
-    full_env = dict(os.environ) if gloo else mpi_select.environ_for("system")
+    if activated:
+        full_env = activated_venv_env()
+    else:
+        full_env = dict(os.environ) if gloo else mpi_select.environ_for("system")
     full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                      "PYTHONPATH": str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")})
     full_env.update(env or {})
-    cmd = [str(HOROVODRUN), "-np", str(nranks), *(["--gloo"] if gloo else []),
-           sys.executable, str(PROGRAMS / program), *args]
+    exe, python = ("horovodrun", "python") if activated else (str(HOROVODRUN), sys.executable)
+    cmd = [exe, "-np", str(nranks), *(["--gloo"] if gloo else []),
+           python, str(PROGRAMS / program), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=ROOT, start_new_session=True)
     try:

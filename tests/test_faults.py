@@ -151,6 +151,32 @@ def test_peers_stop_when_a_failed_rank_shut_down_first() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_sys_exit_on_every_rank_ends_the_job_with_its_status(kind: str) -> None:
+    """`sys.exit(5)` inside `async with asynclock.start()` on every rank (a script that
+    decides its outcome everywhere): each rank exits 5, with no traceback, as Python does."""
+    job, elapsed = timed("fault_sysexit.py", 2, cleanup=False, kind=kind, env=FAST)
+    assert job.ok_lines("exiting") == {0, 1}, job.explain()
+    assert_exits(job, {0: 5, 1: 5}, elapsed)
+    assert "Traceback" not in job.output and "uncaught" not in job.output, job.explain()
+    assert "asynclock[rank" not in job.output, job.explain()
+    assert_no_orphans(job, 2)
+
+
+def test_sys_exit_on_one_rank_ends_the_job_with_its_status() -> None:
+    """Rank 1 calls `sys.exit(5)` while the others wait for it in an allreduce: they
+    stop at once, say why, and exit 5 too; nobody prints a traceback or hangs (a rank
+    that finalized MPI while its peers waited for it hung hydra for ever)."""
+    job, elapsed = timed("fault_sysexit.py", 3, "--rank", "1", cleanup=False, env=FAST)
+    assert_exits(job, {0: 5, 1: 5, 2: 5}, elapsed)
+    assert elapsed < 15, job.explain()  # not the 3 s dead-after verdict plus a hang
+    assert "Traceback" not in job.output and "uncaught" not in job.output, job.explain()
+    for r in (0, 2):
+        assert f"asynclock[rank {r}]: rank 1 exited with status 5; this rank waits in " \
+               "allreduce(sum) float64[65536]" in job.output, job.explain()
+    assert_no_orphans(job, 3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_uncaught_exception_default_launcher(kind: str) -> None:
     job, elapsed = timed("fault_raise.py", 2, kind=kind, env=FAST)
     assert job.returncode != 0 and elapsed < DEADLINE_S, job.explain()

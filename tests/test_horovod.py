@@ -27,6 +27,7 @@ from mpijob import (
 )
 
 from asynclock.backends.horovod import _row_width, _split
+from asynclock.backends.horovod_mpi import MPIName, check_launcher, check_mpi4py, launcher_mpi
 from asynclock.backends.mailbox import AGREE, HEADERS, Mailbox
 from asynclock.errors import BackendError
 
@@ -233,6 +234,75 @@ def test_backend_under_horovodrun_gloo() -> None:
     job = run_horovodrun("hvd_backend.py", 2, gloo=True, timeout=150)
     labels_ok(job, 2, BACKEND_LABELS)
     assert "(gloo controller; headers over a TCP mesh" in job.output, job.explain()
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.parametrize("program, args, label", [
+    ("launch_hvd.py", (), None), ("auto_backend.py", ("--expect", "mpi"), "auto_backend")])
+def test_horovodrun_mpi_controller_in_the_activated_venv(program: str, args: tuple[str, ...],
+                                                        label: str | None) -> None:
+    """`source .venv/bin/activate; horovodrun -np 2 python train.py`, as Horovod's docs
+    say: MPICH's mpirun comes first on that PATH, and horovodrun stopped with "Unknown
+    MPI implementation"; the venv's horovodrun now runs Open MPI's, and the ranks load
+    its libmpi (mpi4py too: auto_backend.py)."""
+    need_horovod(gloo=False)
+    job = run_horovodrun(program, 2, *args, activated=True, timeout=150)
+    assert job.returncode == 0, job.explain()
+    if label is None:
+        assert all(f"hvd hello from {r} of 2" in job.output for r in (0, 1)), job.explain()
+    else:
+        labels_ok(job, 2, [label])
+        assert job.output.count("2 ranks on mpi (Open MPI") == 2, job.explain()
+
+
+VENDORS = {"system": "Open MPI", "embedded": "MPICH"}
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_backend_refuses_the_launcher_of_another_mpi() -> None:
+    """Horovod built for one MPI, ranks started by the other MPI's launcher: the backend
+    refuses on every rank, naming both, instead of running N worlds of size 1."""
+    kind = need_horovod()
+    other = [k for k, ok in mpi_select.available().items() if ok and k != kind]
+    if not other:
+        pytest.skip(f"only {kind}, the MPI Horovod is built for, is installed")
+    job = run_job("clean_exit.py", 2, timeout=120, kind=other[0], env=HVD_ENV)
+    assert job.returncode != 0 and not job.ok_lines("leaving"), job.explain()
+    refusal = (f"BackendError: the Horovod backend cannot run here: Horovod is built for "
+               f"{VENDORS[kind]} (")
+    assert job.output.count(refusal) == 2, job.explain()
+    assert f"but this rank was started by {VENDORS[other[0]]} (" in job.output, job.explain()
+
+
+def test_horovod_mpi_checks_name_both_mpis() -> None:
+    built = MPIName("Open MPI", "v4")
+    hydra = {"PMI_SIZE": "2", "PMI_FD": "9"}
+    assert launcher_mpi(hydra) == MPIName("MPICH", "hydra's mpiexec, PMI_SIZE=2")
+    assert launcher_mpi({"OMPI_COMM_WORLD_SIZE": "2"}) is not None
+    assert launcher_mpi({**hydra, "SLURM_JOB_ID": "7"}) is None  # srun: not judged
+    with pytest.raises(BackendError, match=r"built for Open MPI \(v4\), but this rank was "
+                                           r"started by MPICH \(hydra"):
+        check_launcher(built, hydra)
+    check_launcher(built, {"OMPI_COMM_WORLD_SIZE": "2"})
+    check_launcher(None, hydra)  # a Horovod without MPI we know: not judged
+    with pytest.raises(BackendError, match="but mpi4py loaded MPICH Version: 5"):
+        check_mpi4py(built, "MPICH Version: 5.0.2\nMPICH Release date: ...")
+    check_mpi4py(built, "Open MPI v4.1.4, package: Debian OpenMPI")
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_clean_exit_under_horovodrun_gloo_prints_nothing_alarming() -> None:
+    """Ranks that shut down together close their heartbeat meshes while a peer still
+    says goodbye over them (`Connection reset by peer`): that is no error to print."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("clean_exit.py", 3, gloo=True, timeout=150)
+    assert_all_ok(job, 3)
+    noisy = [line for line in job.output.splitlines()
+             if "asynclock[rank" in line or "Error" in line or "Traceback" in line]
+    assert not noisy, job.explain()
 
 
 @pytest.mark.mpi

@@ -140,6 +140,18 @@ def test_failing_rank_fails_the_launch(kind: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", KINDS)
+def test_sys_exit_gives_the_job_its_status_without_a_traceback(kind: str) -> None:
+    """`sys.exit(5)` inside `async with asynclock.start()` on every rank: status 5 and
+    no traceback, as Python gives (the runners' own notes about it may remain)."""
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "120",
+                        str(PROGRAMS / "fault_sysexit.py"))
+    assert done.returncode == 5, explain(done)
+    assert "[0] RANK 0 OK exiting 5" in done.stdout, explain(done)
+    assert "Traceback" not in done.stderr and "uncaught" not in done.stderr, explain(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_rank_ends_a_job_whose_survivors_hang(kind: str) -> None:
     """Regression (CI, hydra 5.0.2): rank 1 exited with 3 without MPI_Finalize, rank 0
     waited in MPI_Finalize for ever and hydra never ended the job (timeout, 124). The

@@ -18,7 +18,7 @@ import functools
 import os
 
 import pytest
-from mpijob import Job, assert_all_ok, horovod_status, run_job
+from mpijob import MPI_KIND, OTHER_KINDS, Job, assert_all_ok, horovod_status, run_job
 
 pytestmark = pytest.mark.mpi
 
@@ -26,9 +26,9 @@ BACKENDS = os.environ.get("ASYNCLOCK_TEST_BACKENDS", "mpi,horovod").split(",")
 
 
 @functools.cache
-def job(program: str, nranks: int, backend: str, transport: str, *args: str) -> Job:
+def job(program: str, nranks: int, backend: str, transport: str, *args: str,
+        kind: str = MPI_KIND) -> Job:
     env = {"ASYNCLOCK_BACKEND": backend, "ASYNCLOCK_SHM": "1" if transport == "shm" else "0"}
-    kind = os.environ.get("ASYNCLOCK_TEST_MPI", "auto")
     if backend == "horovod":
         kind, why = horovod_status()
         if why:
@@ -202,50 +202,61 @@ def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], back
     assert_labels(j, nranks, "trained", "identical", "collectives", "done")
 
 
+# -- the shared window on the other MPI ---------------------------------------------------
+# MPICH checks RMA synchronization (MPI_Win_sync only inside a passive-target epoch) where
+# Open MPI lets it pass, so the window's users run on both MPIs: one 2-rank job each.
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_shm_pipeline_on_the_other_mpi(kind: str) -> None:
+    assert_labels(job("torch_grads.py", 2, "mpi", "shm", kind=kind), 2, "transport_shm",
+                  "identical_20_steps", "caps_default", "handed_some_ranks",
+                  "gated_bit_identical", "mismatch_buckets_shm")
+
+
 # -- shard_optimizer (torch_sharded.py) ------------------------------------------------
-sharded_cases = pytest.mark.parametrize("nranks", [2, 3])
+sharded_cases = pytest.mark.parametrize("nranks, kind", [
+    (2, MPI_KIND), (3, MPI_KIND), *[(2, kind) for kind in OTHER_KINDS]])
 
 
-def sharded(nranks: int, *labels: str) -> None:
-    assert_labels(job("torch_sharded.py", nranks, "mpi", "shm"), nranks, *labels)
+def sharded(nranks: int, kind: str, *labels: str) -> None:
+    assert_labels(job("torch_sharded.py", nranks, "mpi", "shm", kind=kind), nranks, *labels)
 
 
 @sharded_cases
-def test_sharded_optimizer_trains_like_one_process(nranks: int) -> None:
+def test_sharded_optimizer_trains_like_one_process(nranks: int, kind: str) -> None:
     """SGD (nesterov, weight decay), Adam (amsgrad), AdamW in two param groups under
     an LR scheduler, plain and gated: the single-process result; each rank keeps
     state for its pieces only; the parameters are the node window's one copy."""
-    sharded(nranks, "sharded_matches_global_batch")
+    sharded(nranks, kind, "sharded_matches_global_batch")
 
 
 @sharded_cases
-def test_sharded_checkpoint_on_one_rank_and_resume(nranks: int) -> None:
-    sharded(nranks, "sharded_checkpoint")
+def test_sharded_checkpoint_on_one_rank_and_resume(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_checkpoint")
 
 
 @sharded_cases
-def test_sharded_accumulation_over_passes_and_no_sync(nranks: int) -> None:
-    sharded(nranks, "sharded_accumulation")
+def test_sharded_accumulation_over_passes_and_no_sync(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_accumulation")
 
 
 @sharded_cases
-def test_sharded_synchronize_then_clip_then_step(nranks: int) -> None:
-    sharded(nranks, "sharded_synchronize_clip")
+def test_sharded_synchronize_then_clip_then_step(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_synchronize_clip")
 
 
 @sharded_cases
-def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int) -> None:
-    sharded(nranks, "sharded_refusals")
+def test_sharded_refuses_what_it_cannot_do_exactly(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_refusals")
 
 
 @sharded_cases
-def test_sharded_refuses_a_joined_rank_on_every_other_rank(nranks: int) -> None:
-    sharded(nranks, "sharded_join_refused")
+def test_sharded_refuses_a_joined_rank_on_every_other_rank(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_join_refused")
 
 
 @sharded_cases
-def test_sharded_model_usable_after_shutdown(nranks: int) -> None:
-    sharded(nranks, "sharded_usable_after_shutdown")
+def test_sharded_model_usable_after_shutdown(nranks: int, kind: str) -> None:
+    sharded(nranks, kind, "sharded_usable_after_shutdown")
 
 
 # -- torch.compile (torch_compiled.py) -------------------------------------------------

@@ -37,6 +37,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from ..errors import BackendError
 from ..heartbeat import MailboxLink, MPILink
 from ..ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request, close_channel_of
+from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
 from .mailbox import AGREE, DATA, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
 
@@ -334,8 +336,15 @@ class HorovodBackend:
     def __init__(self, comm: Any = None) -> None:
         hvd = _hvd()
         self.controller = _controller(hvd, comm)
-        self._mpi = MPIBackend(comm) if self.controller == "mpi" else None
         self._owns_horovod = not hvd.is_initialized()
+        if self.controller == "mpi" and self._owns_horovod:  # before any MPI_Init
+            built = horovod_mpi(Path(hvd.__file__).resolve().parents[1])
+            check_launcher(built, os.environ)
+        self._mpi = MPIBackend(comm) if self.controller == "mpi" else None
+        if self._mpi is not None and self._owns_horovod:
+            from mpi4py import MPI
+
+            check_mpi4py(built, MPI.Get_library_version())
         if self._owns_horovod:
             self._init_horovod(hvd)
         self._check_ranks(hvd)

@@ -186,6 +186,9 @@ class Shards:
 
         total = self.layout.total if self.me == 0 else 0
         self.win = MPI.Win.Allocate_shared(total, 1, comm=node)
+        # MPI_Win_sync is only valid inside a passive-target epoch (MPICH refuses it
+        # outside one; Open MPI does not check): one epoch for the window's lifetime.
+        self.win.Lock_all(MPI.MODE_NOCHECK)
         memory = self.win.Shared_query(0)[0]
         self.base_bytes = torch.frombuffer(memory, dtype=torch.uint8, count=self.layout.total)
         self._node = node
