@@ -180,6 +180,7 @@ class ReduceScatterOp(Operation):
         self.shape = (rows[lane.rank], *shape[1:])
         self.out = empty_like_code(buf.code, self.counts[lane.rank])
         self.work: Array | None = None
+        self.send: Array = buf.array
 
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
         self.stage_bytes = self.buf.array.nbytes
@@ -187,6 +188,9 @@ class ReduceScatterOp(Operation):
         if self.buf.code in HALF_CODES:
             send = np.ascontiguousarray(to_compute(send, self.buf.code), np.float32)
             self.work = recv = np.empty(self.out.size, np.float32)
+        # Held by the op: the stage is dropped once issued, and a non-blocking
+        # reduce-scatter still reads `send` until it completes.
+        self.send = send
         return [lambda t: t.ireduce_scatter(send, recv, self.counts, self.op)]
 
     def finish(self) -> Any:

@@ -180,6 +180,11 @@ class Matcher:
                 parts.append(f"rank {r}: " + ", ".join(describe_row(e.row) for e in entries))
         text = ("collectives issued by some ranks only, and no rank can proceed: "
                 + "; ".join(parts))
+        # The unnamed calls that expired were counted by the ranks that made them:
+        # every rank moves its count past the highest, so later ones pair again.
+        counts = [e.key[1] for entries in self.table for e in entries if e.key[0] == 0]
+        if counts:
+            self.lane.seq = max(self.lane.seq, *counts)
         for entries in self.table:
             for entry in entries:
                 if entry.op is not None:

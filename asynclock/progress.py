@@ -384,12 +384,12 @@ class Engine:
         now, ops, lanes = time.perf_counter(), list(self.inflight), list(self.lanes)
         index = {id(lane): i for i, lane in enumerate(lanes)}
         views = tuple(InflightOp(describe_op(op), now - op.issued_at, index.get(id(op.lane), -1),
-                                 op.call.seq, id(op), op.call.kind is Kind.JOIN)
+                                 _position(op), id(op), op.call.kind is Kind.JOIN)
                       for op in ops[:limit])
         outside = [v for v in (watch() for watch in list(self.watched)) if v is not None]
         if outside:
             views = tuple(sorted(views + tuple(outside), key=lambda v: -v.age_s))[:limit]
-        return EngineSnapshot(views, len(ops) + len(outside), tuple(lane.seq for lane in lanes),
+        return EngineSnapshot(views, len(ops) + len(outside), tuple(_issued(lane) for lane in lanes),
                               tuple(str(lane.transport.name) for lane in lanes))
 
     def call_soon_threadsafe(self, fn: Callable[[], object]) -> bool:
@@ -420,6 +420,16 @@ class Engine:
         """From any thread: `fail_all` on the loop, or here when no loop runs."""
         if not self.call_soon_threadsafe(lambda: self.fail_all(error)):
             self.fail_all(error)
+
+
+def _issued(lane: Lane) -> int:
+    """How far this rank got on `lane`, as peers compare it with their ops'
+    `_position`: header rounds on a lane by name (named calls take no W_SEQ)."""
+    return lane.rounds if lane.by_name else lane.seq
+
+
+def _position(op: Operation) -> int:
+    return op.slot if op.lane.by_name else op.call.seq
 
 
 def _sooner(timeout: float, cap: float | None) -> float:

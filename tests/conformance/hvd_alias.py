@@ -48,3 +48,14 @@ def pytest_runtest_logreport(report: object) -> None:
         f.write(json.dumps({"test": name, "when": when, "outcome": outcome,
                             "detail": detail}) + "\n")
         f.flush()
+
+
+def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
+    """ASYNCLOCK_CONFORMANCE_FROM=NAME: run NAME and the tests after it only (a
+    reference taken in two jobs around a test where real Horovod hangs)."""
+    start = os.environ.get("ASYNCLOCK_CONFORMANCE_FROM")
+    if not start:
+        return
+    names = [str(getattr(item, "name", "")) for item in items]
+    if start in names:
+        del items[:names.index(start)]
