@@ -389,7 +389,8 @@ class Engine:
         outside = [v for v in (watch() for watch in list(self.watched)) if v is not None]
         if outside:
             views = tuple(sorted(views + tuple(outside), key=lambda v: -v.age_s))[:limit]
-        return EngineSnapshot(views, len(ops) + len(outside), tuple(_issued(lane) for lane in lanes),
+        return EngineSnapshot(views, len(ops) + len(outside),
+                              tuple(_issued(lane) for lane in lanes),
                               tuple(str(lane.transport.name) for lane in lanes))
 
     def call_soon_threadsafe(self, fn: Callable[[], object]) -> bool:

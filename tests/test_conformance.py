@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 HERE = Path(__file__).resolve().parent / "conformance"
 _SPEC = importlib.util.spec_from_file_location("conformance_run", HERE / "run.py")
