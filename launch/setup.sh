@@ -18,7 +18,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pipi "torch==2.13.0" || pipi "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 
-want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout tqdm matplotlib scikit-learn)
+want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout tqdm matplotlib scikit-learn mock)
 missing=()
 for pkg in "${want[@]}"; do
   mod=${pkg//-/_}; [ "$pkg" = scikit-learn ] && mod=sklearn; [ "$pkg" = pytest-timeout ] && mod=pytest_timeout

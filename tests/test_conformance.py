@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpijob import horovod_status
 import tomllib
 
 HERE = Path(__file__).resolve().parent / "conformance"
@@ -39,8 +40,8 @@ def test_deviations_are_few_and_explained() -> None:
 @pytest.mark.parametrize("nranks", [2, 3])
 @pytest.mark.parametrize("file", conformance.FILES)
 def test_horovod_suite(nranks: int, file: str, tmp_path: Path) -> None:
-    why = conformance.suite_missing()
-    if why:
+    why = conformance.suite_missing() or horovod_status()[1]
+    if why:  # their helper module imports the real horovod.runner
         pytest.skip(why)
     reference = conformance.load_reference().get(str(nranks), {}).get(file)
     assert reference, f"no reference for {file} at {nranks} ranks: run run.py --target horovod"
