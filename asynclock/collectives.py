@@ -232,6 +232,11 @@ class Collectives:
         """Start reduce-then-scatter along dim 0 (Horovod's split: first ranks larger)."""
         rop = self._reduce_op(op, name, Kind.REDUCE_SCATTER)
         buf = self._buffer(Kind.REDUCE_SCATTER, tensor, name, op=int(rop))
+        if not buf.shape:  # nothing to scatter along: Horovod refuses a scalar too
+            self._announce_fault(Kind.REDUCE_SCATTER, name, InputFault.BAD_ARGUMENT,
+                                 op=int(rop))
+            raise InputRejected(InputFault.BAD_ARGUMENT,
+                                "reduce_scatter splits dim 0, and a 0-d tensor has none")
         return self._submit(ops.ReduceScatterOp(self._lane, self._call(
             Kind.REDUCE_SCATTER, name, buf, op=int(rop)), buf, rop))
 

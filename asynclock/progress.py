@@ -98,6 +98,7 @@ class Engine:
         # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
         self._fillers: dict[Lane, float] = {}  # lane -> when its filler round is due
+        self.no_spin = False  # set around calls whose caller does not wait (`hvd.*_async`)
 
     def add_lane(self, lane: Lane) -> Lane:
         """Serve `lane` (a lane by name gets its filler rounds from here)."""
@@ -192,7 +193,7 @@ class Engine:
 
     def _spin(self, op: Operation) -> bool:
         """Bounded busy test: cheaper than a scheduler round trip for small ops."""
-        deadline = op.issued_at + (0.0 if op.patient else self.spin_for(op.lane))
+        deadline = op.issued_at + (0.0 if op.patient or self.no_spin else self.spin_for(op.lane))
         while True:
             if op.poll():
                 op.lane.pump(self._issue)

@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -130,6 +130,16 @@ class Coordinator(Collectives, SyncPrimitives):
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._lock = threading.Lock()
         self.watchdog = Watchdog.for_coordinator(self)  # heartbeats + stall inspector
+
+    @contextmanager
+    def issuing_without_spin(self) -> Iterator[None]:
+        """Calls made inside return once issued: their caller does not wait."""
+        engine = self._engine
+        engine.no_spin = True
+        try:
+            yield
+        finally:
+            engine.no_spin = False
 
     def _add_lane(self, name: str, by_name: bool = False) -> Lane:
         return self.add_lane(self.backend.channel(name), by_name)

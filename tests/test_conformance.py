@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpijob import horovod_status
 import tomllib
+from mpijob import horovod_status
 
 HERE = Path(__file__).resolve().parent / "conformance"
 _SPEC = importlib.util.spec_from_file_location("conformance_run", HERE / "run.py")

@@ -17,7 +17,7 @@ from .. import runtime, timeline
 from ..errors import AsynclockError
 from ..ops import ReduceOp
 from .grouped_ops import GroupHandle
-from .mpi_ops import _reduce_op, _register, _start, synchronize
+from .mpi_ops import _reduce_op, _register, _start_async, synchronize
 from .process_sets import api_of
 
 # What Horovod raises when a collective fails; asynclock's errors all derive from this.
@@ -61,7 +61,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     sparse = tensor.coalesce()
     api = api_of(process_set)
     indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()
-    group = _start(lambda: GroupHandle([
+    group = _start_async(lambda: GroupHandle([
         api.allgather_async(indices, name=f"{name}.indices" if name else None),
         api.allgather_async(values, name=f"{name}.values" if name else None)]))
     average = _reduce_op(None, op) is ReduceOp.AVERAGE

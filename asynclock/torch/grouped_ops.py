@@ -22,7 +22,7 @@ from .mpi_ops import (
     _reduce_op,
     _register,
     _same,
-    _start,
+    _start_async,
     start_allreduce,
     synchronize,
     then,
@@ -48,7 +48,7 @@ class GroupHandle:
 
 def _start_group(starts: list[Callable[[], Handle]], posts: list[Post]) -> int:
     """All starts in one hop; the handle's `synchronize` applies each post in order."""
-    group = _start(lambda: GroupHandle([start() for start in starts]))
+    group = _start_async(lambda: GroupHandle([start() for start in starts]))
 
     def post(results: list[Any]) -> list[Any]:
         return [p(r) for p, r in zip(posts, results, strict=True)]
@@ -114,7 +114,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compressi
                         op: Any = None, process_set: Any = None) -> int:
     """Start `reducescatter`; `synchronize` returns this rank's slice."""
     api, rop = api_of(process_set), _reduce_op(None, op)
-    return _register(_start(_scatter_start(api, tensor.contiguous(), rop, name)), _same)
+    return _register(_start_async(_scatter_start(api, tensor.contiguous(), rop, name)), _same)
 
 
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
@@ -143,7 +143,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         out, received = result
         return out, torch.tensor(received, dtype=torch.int32)
 
-    start = _start(lambda: api.alltoall_async(tensor.contiguous(), split_list, name=name))
+    start = _start_async(lambda: api.alltoall_async(tensor.contiguous(), split_list, name=name))
     return _register(start, post)
 
 

@@ -48,6 +48,19 @@ def _start(fn: Callable[[], T]) -> T:
     return runtime.coordinator().run_sync(go)
 
 
+def _start_async(fn: Callable[[], T]) -> T:
+    """`_start` for an `*_async` call: issue and return, without the spin that
+    a caller about to wait is worth (Horovod's async calls return at once too,
+    and `poll()` may then say False)."""
+    coord = runtime.coordinator()
+
+    async def go() -> T:
+        with coord.issuing_without_spin():
+            return fn()
+
+    return coord.run_sync(go)
+
+
 def _register(handle: Any, post: Post) -> int:
     with _lock:
         n = next(_ids)
@@ -98,7 +111,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
                                postscale_factor)
     start, finish = start_allreduce(api_of(process_set), work, rop, name)
-    return _register(_start(start), lambda out: post(finish(out)))
+    return _register(_start_async(start), lambda out: post(finish(out)))
 
 
 def start_allreduce(api: Any, work: torch.Tensor, rop: Any, name: str | None
@@ -172,7 +185,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     api = api_of(process_set)
-    return _register(_start(lambda: api.allgather_async(tensor.contiguous(), name=name)),
+    return _register(_start_async(lambda: api.allgather_async(tensor.contiguous(), name=name)),
                      lambda out: out)
 
 
@@ -184,8 +197,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> int:
     api, root = api_of(process_set), root_of(process_set, root_rank)
-    return _register(_start(lambda: api.broadcast_async(tensor.contiguous(), root, name=name)),
-                     lambda out: out)
+    start = _start_async(lambda: api.broadcast_async(tensor.contiguous(), root, name=name))
+    return _register(start, lambda out: out)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -197,7 +210,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> int:
     api, root = api_of(process_set), root_of(process_set, root_rank)
-    return _register(_start(lambda: api.broadcast_async_(tensor, root, name=name)),
+    return _register(_start_async(lambda: api.broadcast_async_(tensor, root, name=name)),
                      lambda out: tensor)
 
 

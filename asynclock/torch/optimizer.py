@@ -58,8 +58,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None,
                  process_set: Any = None, shard: bool = False) -> None:
         self._base_class.__init__(self, params)  # type: ignore[call-arg]
+        registry = ParamRegistry(self.param_groups, named_parameters)  # refuses duplicates
         coord = runtime.coordinator()
-        registry = ParamRegistry(self.param_groups, named_parameters)
         opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
         if gate_model is not None:
             check_gate_covers(gate_model, registry)
@@ -257,9 +257,44 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     mode = (Finish.DEFERRED if gate_forward is not None
             else Finish.PER_BUCKET if per_bucket_step or shard_optimizer else Finish.WHOLE)
     base = optimizer.__class__
+    if not _member_of(process_set):
+        local = type(base.__name__, (base,), dict(_OutsideTheSet.__dict__, _base_class=base))
+        return local(optimizer.param_groups)
     cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
     return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
                gate_forward, process_set, shard_optimizer)
+
+
+class _OutsideTheSet(torch.optim.Optimizer):
+    """A rank outside the optimizer's process set steps on its own gradients, as
+    in Horovod: no hooks, nothing to synchronize."""
+
+    _base_class: type[torch.optim.Optimizer]
+
+    def __init__(self, params: Any) -> None:
+        self._base_class.__init__(self, params)  # type: ignore[call-arg]
+
+    def synchronize(self) -> None:
+        return None
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        return None
+
+
+def _member_of(process_set: Any) -> bool:
+    """This rank belongs to `process_set` (or there is none: the world)."""
+    if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+        return True
+    subset = getattr(process_set, "subset", None)
+    return subset is None or subset.removed or bool(subset.included)
 
 
 def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -284,9 +319,6 @@ def _lane_for(coord: Any, process_set: Any) -> Lane:
     subset = getattr(process_set, "subset", None)
     if subset is None or subset.removed:
         raise ValueError(f"{process_set} is not registered: hvd.add_process_set() it first")
-    if not subset.included:
-        raise ValueError(f"rank {coord.rank} is not in process set {list(subset.ranks)}: only "
-                         "its members build its DistributedOptimizer")
     if subset.ident in _SERVED:
         raise ValueError(f"process set {list(subset.ranks)} already has a DistributedOptimizer")
     _SERVED.add(subset.ident)
