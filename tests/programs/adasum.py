@@ -22,8 +22,8 @@ def reference(rows: list[np.ndarray]) -> np.ndarray:
     """Pairs (0,1), (2,3)..., then the pairs' results; a zero vector passes its partner."""
     def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         dot, a2, b2 = a @ b, a @ a, b @ b
-        ca = 1 - dot / (2 * a2) if a2 >= 1e-8 else 1.0
-        cb = 1 - dot / (2 * b2) if b2 >= 1e-8 else 1.0
+        ca = 1 - dot / (2 * a2) if a2 > 0 else 1.0
+        cb = 1 - dot / (2 * b2) if b2 > 0 else 1.0
         return ca * a + cb * b
 
     while len(rows) > 1:
