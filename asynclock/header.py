@@ -162,7 +162,7 @@ def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tupl
     who = _ranks(list(ranks)) + (" has" if len(ranks) == 1 else " have")
     why = ("it needs every rank's own data (a shared-memory gradient round)"
            if kind in STAND_IN else "a joined rank stands in only for allreduce and barrier")
-    raise JoinedError(f"collective {_describe(active[0])} cannot run while {who} joined: {why}")
+    raise JoinedError(f"collective {describe_row(active[0])} cannot run while {who} joined: {why}")
 
 
 def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
@@ -170,7 +170,7 @@ def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
     parts = [f"rank {r}: {FAULT_TEXT.get(InputFault(int(rows[r, W_FAULT])), 'invalid input')}"
              for r in ranks]
     first = rows[int(ranks[0])]
-    head = f"collective {_describe(first)} rejected input on "  # "#4 allreduce(sum) ..."
+    head = f"collective {describe_row(first)} rejected input on "  # "#4 allreduce(sum) ..."
     return head + "; ".join(parts)
 
 
@@ -178,7 +178,7 @@ def mismatch_text(rows: np.ndarray[Any, Any]) -> str:
     """Group ranks by what they called; identical text on every rank."""
     groups: dict[str, list[int]] = {}
     for r in range(rows.shape[0]):
-        groups.setdefault(_describe(rows[r]), []).append(r)
+        groups.setdefault(describe_row(rows[r]), []).append(r)
     body = "; ".join(f"{_ranks(rs)}: {desc}" for desc, rs in groups.items())
     return f"mismatched collective across ranks: {body}"
 
@@ -191,11 +191,6 @@ def _ranks(rs: list[int]) -> str:
 
 
 def describe_row(row: np.ndarray[Any, Any]) -> str:
-    """Human text of one header: `#3 allreduce(sum) float32[4, 3] name='w'`."""
-    return _describe(row)
-
-
-def _describe(row: np.ndarray[Any, Any]) -> str:
     """Human text of one header: `#3 allreduce(sum) float32[4, 3] name='w'`."""
     if int(row[W_MAGIC]) != MAGIC:
         return "<not an asynclock header>"

@@ -86,8 +86,8 @@ def key_of(row: Array) -> tuple[int, ...]:
 class Matcher:
     """The lane's table of unmatched proposals, one list per rank, in slot order."""
 
-    def __init__(self, lane: Lane, host: FillerHost, stray_s: float) -> None:
-        self.lane, self.host, self.stray_s = lane, host, stray_s
+    def __init__(self, lane: Lane, host: FillerHost) -> None:
+        self.lane, self.host = lane, host
         self.table: list[list[Entry]] = [[] for _ in range(lane.size)]
         self.idle = 0  # slots in a row that changed nothing (filler backoff)
         self.processed = 0  # the slot of the last round processed here
@@ -216,7 +216,8 @@ class Matcher:
             return True
         own = [e.op for e in self.table[self.lane.rank] if e.op is not None]
         now = time.perf_counter()
-        return bool(own) and all(o.waiter is not None and now - o.issued_at > self.stray_s
+        stray_s = self.host.policy.stray_s
+        return bool(own) and all(o.waiter is not None and now - o.issued_at > stray_s
                                  for o in own)
 
     def close(self) -> None:
@@ -225,18 +226,13 @@ class Matcher:
         if self.filler_due():
             self.host.want_filler(self.lane, 0.0)
 
-    def pending(self) -> list[tuple[int, str]]:
-        """(rank, description) of every waiting proposal, for stall reports."""
-        return [(r, describe_row(e.row)) for r, entries in enumerate(self.table)
-                for e in entries]
-
 
 def matcher_of(lane: Lane) -> Matcher:
     """The lane's matcher, made on the first disagreement."""
     if lane.matcher is None:
         if lane.host is None:
             raise RuntimeError(f"lane {lane.transport.name} matches by name but has no engine")
-        lane.matcher = Matcher(lane, lane.host, lane.host.policy.stray_s)
+        lane.matcher = Matcher(lane, lane.host)
     return lane.matcher
 
 

@@ -91,11 +91,6 @@ class Lane:
         raise ValueError(f"a collective named {name!r} is already in flight on "
                          f"{self.transport.name}: {held.describe()}")
 
-    def settle(self) -> None:
-        """Process arrived header rounds in slot order (`asynclock.matching`)."""
-        if self.matcher is not None:
-            self.matcher.settle()
-
     def pump(self, issue: Callable[[Operation], None]) -> None:
         """Issue data stages strictly in header order; stop at the first not ready."""
         q = self.queue
