@@ -48,9 +48,7 @@ _MATCH: dict[Kind, tuple[int, ...]] = {
     Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
     Kind.ALLGATHER_OBJECT: _COMMON,
     Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
-    # W_OP: the rank's join mark; W_SEQ: the joined rank takes the others' count
-    # (`asynclock.join`), so counts may differ while all ranks are joined
-    Kind.JOIN: (W_MAGIC, W_KIND, W_NAME),
+    Kind.JOIN: _COMMON,  # W_OP: the rank's join mark (see `asynclock.join`)
     Kind.FILLER: _COMMON,  # W_OP: `asynclock.matching` flags
 }
 
@@ -151,7 +149,7 @@ def _compare(rows: np.ndarray[Any, Any], every: np.ndarray[Any, Any], kind: Kind
 def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tuple[int, ...]:
     """Some ranks joined: the rest agree among themselves, in step with the joined
     ranks, on a call a joined rank can stand in for (identity data)."""
-    if (rows[:, W_MAGIC] != MAGIC).any():
+    if (rows[:, W_MAGIC] != MAGIC).any() or (rows[:, W_SEQ] != rows[0, W_SEQ]).any():
         raise MismatchError(mismatch_text(rows))
     active = rows[~joined]
     kind = Kind(int(active[0, W_KIND]))

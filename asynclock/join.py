@@ -29,7 +29,7 @@ from . import staging
 from .collective_ops import AllreduceOp
 from .errors import JoinedError, MismatchError, RemoteInputError
 from .handle import Handle
-from .header import INLINE_BYTES, W_DTYPE, W_KIND, W_NBYTES, W_OP, W_SEQ, Call
+from .header import INLINE_BYTES, W_DTYPE, W_KIND, W_NAME, W_NBYTES, W_OP, W_SEQ, Call
 from .operation import Lane, Operation, Stage
 from .ops import FLOAT_CODES, HALF_CODES, NUMPY_OF_CODE, Kind, ReduceOp
 from .progress import Engine
@@ -69,10 +69,17 @@ class JoinOp(Operation):
         self.marks: tuple[int, ...] | None = None
         self.stand_in: AllreduceOp | None = None  # owns the identity data in flight
 
+    def _on_header(self) -> None:
+        # A stand-in round counts as the call it stands in for, whatever its
+        # outcome (a refused broadcast too): on a lane by name only an unnamed
+        # call advances the count (`Lane.next_seq`).
+        rows = self._recv.reshape(self.lane.size, -1)
+        working = rows[rows[:, W_KIND] != int(Kind.JOIN)]
+        if len(working) and not int(working[0, W_NAME]):
+            self.lane.seq = int(working[0, W_SEQ])
+        super()._on_header()
+
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
-        # A stand-in round counts as the call it stands in for: W_SEQ stays that
-        # of the ranks still working (a lane by name counts unnamed calls only).
-        self.lane.seq = max(self.lane.seq, int(rows[:, W_SEQ].max()))
         if not self.joined:  # our own header says JOIN, so every header does
             self.marks = tuple(int(m) for m in rows[:, W_OP])
             return []

@@ -72,9 +72,10 @@ class Lane:
         return sorted(self.recent)[n // 2] if n >= 4 and n % 4 == 0 else None
 
     def next_seq(self, name: str = "") -> int:
-        """The W_SEQ of the next call; a named call on a lane by name takes none."""
+        """The W_SEQ of the next call. A named call on a lane by name carries the
+        next count without taking it: only unnamed calls advance it there."""
         if name and self.by_name:
-            return self.seq
+            return self.seq + 1
         self.seq += 1
         return self.seq
 

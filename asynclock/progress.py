@@ -480,6 +480,8 @@ class _NoLane:
     size = 1
     transport = None
     names: dict[str, Operation] = {}  # never written: raw requests are not named calls
+    by_name = False
+    seq = 0
 
 
 _NO_LANE: Any = _NoLane()

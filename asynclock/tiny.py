@@ -83,7 +83,7 @@ class Signature(NamedTuple):
     make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
     op: ReduceOp | None = None  # set for an allreduce whose data follows the header
     fold: int = 0  # the C round's fold of the inline rows (`fastpath.FOLDS`); 0: `finish`
-    bump: int = 1  # 0: a named call on a lane by name takes no W_SEQ (`Lane.next_seq`)
+    bump: int = 1  # 0: a named call on a lane by name does not advance W_SEQ (`Lane.next_seq`)
 
 
 class TinyCollectives:
@@ -223,7 +223,8 @@ class TinyCollectives:
         taught = lane if whole else None
         if rnd is None:
             return self._exchange_python(sig, b"" if data is None else data.tobytes(), taught)
-        seq = self._seq = lane.seq = lane.seq + sig.bump  # Lane.next_seq, inlined
+        seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
+        lane.seq += sig.bump
         lane.rounds += 1
         issued_at = self._issued_at = time.perf_counter()
         state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
@@ -242,7 +243,8 @@ class TinyCollectives:
         """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
         lane, send_bytes = self._lane, self._send_bytes
         send_bytes[:HEADER_BYTES] = sig.header
-        seq = self._seq = lane.seq = lane.seq + sig.bump  # Lane.next_seq, inlined
+        seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
+        lane.seq += sig.bump
         lane.rounds += 1
         self._send[1] = seq  # W_SEQ
         send_bytes[HEADER_BYTES:sig.end] = payload
