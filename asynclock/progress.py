@@ -98,7 +98,7 @@ class Engine:
         # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
         self._fillers: dict[Lane, float] = {}  # lane -> when its filler round is due
-        self.no_spin = False  # set around calls whose caller does not wait (`hvd.*_async`)
+        self.no_spin = False  # set around submissions nobody waits inside (`staging.LaneGate`)
 
     def add_lane(self, lane: Lane) -> Lane:
         """Serve `lane` (a lane by name gets its filler rounds from here)."""

@@ -12,15 +12,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from . import failure
+from . import failure, staging
 from .backends.base import Backend
 from .collectives import Collectives
 from .config import agree_config
@@ -131,15 +131,24 @@ class Coordinator(Collectives, SyncPrimitives):
         self._lock = threading.Lock()
         self.watchdog = Watchdog.for_coordinator(self)  # heartbeats + stall inspector
 
-    @contextmanager
-    def issuing_without_spin(self) -> Iterator[None]:
-        """Calls made inside return once issued: their caller does not wait."""
-        engine = self._engine
-        engine.no_spin = True
+    def run_sync_then_start(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the loop thread; the collectives it submits start only once
+        the caller has the result (how `hvd.*_async` returns before its
+        collective starts, so `poll()` right after it says False, as on Horovod).
+        A name already in use or bad input still raises here, before anything
+        is sent."""
+        returned = staging.Flag()
+
+        async def go() -> T:
+            with staging.holding(returned):
+                return fn()
+
         try:
-            yield
+            return self.run_sync(go)
         finally:
-            engine.no_spin = False
+            returned.set()
+            engine = self._engine
+            engine.call_soon_threadsafe(lambda: staging.release_ready(engine))
 
     def _add_lane(self, name: str, by_name: bool = False) -> Lane:
         return self.add_lane(self.backend.channel(name), by_name)

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .cuda.device import copy_streams
@@ -160,17 +161,67 @@ def staged_of(op: Operation) -> Staged | None:
 # -- ordered submission ---------------------------------------------------------
 _GATES: dict[Lane, LaneGate] = {}
 _USED = [False]  # set by the first Staged of this process
+_HOLD: list[Any] = [None]  # inside `holding(event)`: that event
 
 
 def submit(engine: Engine, lane: Lane, op: Operation) -> Operation:
     """Submit `op` in caller order; CUDA operations wait for their copies first."""
-    if not _GATES and not _USED[0]:
-        return engine.submit(op)  # a process that never staged: two global lookups
+    if not _GATES and not _USED[0] and _HOLD[0] is None:
+        return engine.submit(op)  # a process that never staged: three global lookups
     staged = staged_of(op)
-    if staged is None and lane not in _GATES:
+    hold = _HOLD[0]
+    if staged is None and hold is None and lane not in _GATES:
         return engine.submit(op)
     event = _launch_or_announce(engine, staged, op, lane) if staged is not None else None
+    if hold is not None:
+        event = hold if event is None else _Both(event, hold)
     return submit_after(engine, lane, op, event)
+
+
+class Flag:
+    """An event (`query()`) that one thread sets and the loop reads."""
+
+    __slots__ = ("is_set",)
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+    def query(self) -> bool:
+        return self.is_set
+
+
+class _Both:
+    """Completed once both events have."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def query(self) -> bool:
+        return bool(self.first.query() and self.second.query())
+
+
+@contextmanager
+def holding(event: Any) -> Iterator[None]:
+    """Operations submitted inside are held in their lane's gate, in caller
+    order, until `event` completed: an `hvd.*_async` call hands back its handle
+    before its collective starts, as Horovod's do (they start a cycle later)."""
+    _HOLD[0] = event
+    try:
+        yield
+    finally:
+        _HOLD[0] = None
+
+
+def release_ready(engine: Engine) -> None:
+    """Submit now what `engine`'s gates may release, instead of at the poller's
+    next test (loop thread)."""
+    for gate in [g for g in _GATES.values() if g.engine is engine]:
+        gate.Test()
 
 
 def held_lanes() -> dict[Lane, LaneGate]:
@@ -264,15 +315,23 @@ class LaneGate:
         self.pending.append((op, event))
 
     def release(self) -> bool:
-        """Submit each head whose event completed; True when nothing is held."""
+        """Submit each head whose event completed; True when nothing is held.
+
+        Without a spin: nobody waits inside this call, and the poller tests
+        the released operations at its own cadence."""
         pending = self.pending
+        engine = self.engine
         while pending:
             op, event = pending[0]
             if event is not None and not event.query():
                 return False
             pending.popleft()
             self.released += 1
-            self.engine.submit(op)
+            engine.no_spin = True
+            try:
+                engine.submit(op)
+            finally:
+                engine.no_spin = False
         return True
 
     def Test(self) -> bool:  # noqa: N802 - the request protocol's spelling

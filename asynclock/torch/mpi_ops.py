@@ -49,16 +49,9 @@ def _start(fn: Callable[[], T]) -> T:
 
 
 def _start_async(fn: Callable[[], T]) -> T:
-    """`_start` for an `*_async` call: issue and return, without the spin that
-    a caller about to wait is worth (Horovod's async calls return at once too,
-    and `poll()` may then say False)."""
-    coord = runtime.coordinator()
-
-    async def go() -> T:
-        with coord.issuing_without_spin():
-            return fn()
-
-    return coord.run_sync(go)
+    """`_start` for an `*_async` call: its collective starts once the caller has
+    the handle, so `poll()` right after it may say False, as on Horovod."""
+    return runtime.coordinator().run_sync_then_start(fn)
 
 
 def _register(handle: Any, post: Post) -> int:
