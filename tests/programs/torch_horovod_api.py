@@ -112,12 +112,48 @@ def check_optimizer_state(rank: int) -> None:
     report(rank, "parameter_names")
 
 
+def check_duplicate_names(rank: int, size: int, rounds: int = 100) -> None:
+    """Horovod's duplicate-name tests back to back: one rank issues a named call the
+    others issue only after a barrier, and a second call with the name still in
+    flight raises ValueError there; every call still completes with exact results,
+    and the unnamed calls in between pair as before."""
+    big = 17 * 17 * 17  # past the inline payload: the matched calls have data stages
+    starts = {
+        "ar": lambda i: hvd.allreduce_async(torch.full((big,), float(rank + i)), name="ar",
+                                            op=hvd.Sum),
+        "ag": lambda i: hvd.allgather_async(torch.full((big,), float(rank + i)), name="ag"),
+        "bc": lambda i: hvd.broadcast_async(torch.full((big,), float(rank + i)), 0, name="bc"),
+    }
+    expect = {"ar": lambda i: torch.full((big,), float(sum(range(size)) + size * i)),
+              "ag": lambda i: torch.cat([torch.full((big,), float(r + i)) for r in range(size)]),
+              "bc": lambda i: torch.full((big,), float(i))}
+    for i in range(rounds):
+        for key, start in starts.items():
+            handles = []
+            for turn in (0, 1):
+                if (rank == 0) == (turn == 0):
+                    handles.append(start(i))
+                    try:
+                        start(i)
+                        raise AssertionError(f"{key}: a second call named {key!r} was issued")
+                    except ValueError:
+                        pass
+                hvd.barrier()
+            total = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum)
+            assert total.item() == sum(range(size)), (i, key, total)
+            for h in handles:
+                got = hvd.synchronize(h)
+                assert torch.equal(got, expect[key](i)), (i, key, got[:4])
+    report(rank, "duplicate_names")
+
+
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     check_grads(rank, size)
     check_integer_scaling(rank, size)
     check_optimizer_state(rank)
+    check_duplicate_names(rank, size)
     hvd.shutdown()
     report(rank, "done")
 
