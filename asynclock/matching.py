@@ -209,6 +209,15 @@ class Matcher:
             return False
         return bool(self.table[lane.rank]) or (self.closing and any(self.table))
 
+    def missing_for(self, op: Operation) -> tuple[int, ...] | None:
+        """The ranks with no proposal that matches `op`, while `op` waits here."""
+        table = self.table
+        key = next((e.key for e in list(table[self.lane.rank]) if e.op is op), None)
+        if key is None:
+            return None
+        return tuple(r for r, entries in enumerate(table)
+                     if not any(e.key == key for e in list(entries)))
+
     def stuck(self) -> bool:
         """Flag our filler WAITING: shutting down, or each of our waiting calls is
         awaited and has waited past the stray timeout."""

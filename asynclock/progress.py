@@ -61,6 +61,9 @@ class InflightOp:
     seq: int
     ident: int  # stable while in flight, so a stall is reported once per op
     waits_by_design: bool = False  # a joined rank's round (asynclock.join): report, never abort
+    # Waiting in its lane's matching table: the ranks that have not proposed it
+    # (their header rounds may be past it, so `seq` cannot tell). None: not waiting there.
+    unmatched_by: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,7 +388,8 @@ class Engine:
         now, ops, lanes = time.perf_counter(), list(self.inflight), list(self.lanes)
         index = {id(lane): i for i, lane in enumerate(lanes)}
         views = tuple(InflightOp(describe_op(op), now - op.issued_at, index.get(id(op.lane), -1),
-                                 _position(op), id(op), op.call.kind is Kind.JOIN)
+                                 _position(op), id(op), op.call.kind is Kind.JOIN,
+                                 _unmatched_by(op))
                       for op in ops[:limit])
         outside = [v for v in (watch() for watch in list(self.watched)) if v is not None]
         if outside:
@@ -432,6 +436,18 @@ def _issued(lane: Lane) -> int:
 
 def _position(op: Operation) -> int:
     return op.slot if op.lane.by_name else op.call.seq
+
+
+def _unmatched_by(op: Operation) -> tuple[int, ...] | None:
+    """The ranks that have not proposed `op`, while it waits to be matched (read from
+    the watchdog thread: the table may change under it, and a report can wait a tick)."""
+    matcher = op.lane.matcher
+    if matcher is None:
+        return None
+    try:
+        return matcher.missing_for(op)
+    except (IndexError, RuntimeError, ValueError):
+        return None
 
 
 def _sooner(timeout: float, cap: float | None) -> float:

@@ -136,6 +136,11 @@ def stall_text(op: InflightOp, lane_names: tuple[str, ...],
     head = f"stall: waiting {op.age_s:.1f} s in {op.description}"
     if own_lag >= LAG_NOTE_S:  # then the culprit may be this rank's own blocking call
         head += f" (and this rank's event loop has not run for {own_lag:.1f} s)"
+    if op.unmatched_by:
+        missing = list(op.unmatched_by)
+        notes = "; ".join(peer_note(r, peers.get(r), op.lane, lane_names) for r in missing)
+        return (f"{head}; ranks {missing} have not issued it (it waits to be matched by "
+                f"name or unnamed-call count: {notes})")
     if op.lane >= 0 and (missing := missing_ranks(op, peers)):
         notes = "; ".join(peer_note(r, peers[r], op.lane, lane_names) for r in missing)
         return f"{head}; missing ranks {missing} ({notes})"

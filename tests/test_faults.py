@@ -389,6 +389,17 @@ def test_stall_text_when_every_rank_issued() -> None:
     assert "(and this rank's event loop has not run for 7.0 s)" in own
 
 
+def test_stall_text_of_a_call_waiting_to_be_matched() -> None:
+    """Rank 1's header rounds are past the call's slot, yet it never proposed the
+    call: the matching table, not the published count, names the missing rank."""
+    peers = {1: PeerStatus(seqs=(9,)), 2: PeerStatus(seqs=(9,))}
+    waiting = InflightOp("allreduce(sum) float32[4] #3 on lane user name='w'", 61.0, 0, 3, 1,
+                         unmatched_by=(1,))
+    text = stall_text(waiting, ("user",), peers)
+    assert "ranks [1] have not issued it" in text and "rank 1: issued up to #9" in text
+    assert "rank 2:" not in text
+
+
 def _dog(size: int = 3) -> Watchdog:
     """Decision logic only: no thread, no communicator."""
     return Watchdog(None, Engine(), 0, size, WatchdogPolicy(dead_after_s=10.0))
