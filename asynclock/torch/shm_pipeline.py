@@ -52,6 +52,7 @@ _CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
 # between rounds nothing can fail here, and everything that gives work rings the
 # bell: sleep long (10 idle wake-ups a second cost other work ~1 ms per CNN step)
 _IDLE_S = 5.0
+_STOP_GRACE_S = 10.0  # a stopped pipeline waits this long for peers to end its round
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class ShmPipeline:
         self._watch = self._hinted = 0  # started rounds: announced here / all-started told
         self._on_all_started: Callable[[int], None] = _ignore
         self._stopped = False
+        self._stopped_at = 0.0  # perf_counter() when stop() was called
         self.current: RoundJob | None = None
         self._finished = self._sleeps = 0
         self._blocked_since: float | None = None  # waiting on peers since (perf_counter)
@@ -132,10 +134,11 @@ class ShmPipeline:
 
     def stop(self) -> None:
         """Finish the round in hand (if peers let it), then end the thread."""
+        self._stopped_at = time.perf_counter()
         self._stopped = True
         self.ring(self.me, "local")
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=_STOP_GRACE_S + 1)
 
     def announce(self, started: int, on_all_started: Callable[[int], None]) -> None:
         """This rank issued its `started`-th round's checked stage (hook thread):
@@ -229,7 +232,7 @@ class ShmPipeline:
     def _advance(self, job: RoundJob) -> bool:
         """Do whatever the counters allow; False when only a peer can move things."""
         try:
-            problem = self._problem()
+            problem = self._problem(job)
             if problem is not None:
                 raise problem
             moved = self._progress(job)
@@ -346,8 +349,8 @@ class ShmPipeline:
         self._finished += 1
         job.release(None)
 
-    def _problem(self) -> BaseException | None:
-        if self._stopped:
+    def _problem(self, job: RoundJob) -> BaseException | None:
+        if self._stopped and not self._owes_nothing(job):
             return BackendError("the gradient reducer was closed during a shared-memory round")
         failure = self._failure()
         if failure is not None:
@@ -357,6 +360,15 @@ class ShmPipeline:
                 return BackendError(f"rank {q} (node rank) failed in the shared-memory "
                                     "gradient reduction; this round cannot complete")
         return None
+
+    def _owes_nothing(self, job: RoundJob) -> bool:
+        """This rank has gathered the round and said so; only peers still work on it
+        (reading my buffers, then saying GATHERED). A stopped pipeline lets such a
+        round end rather than abort it under them: a deferred update's `flush()`
+        returns at this point, so a `close()` right after it is normal. Past the
+        grace, a peer that never ends the round is failed."""
+        return (job.gathered == len(job.order)
+                and time.perf_counter() - self._stopped_at < _STOP_GRACE_S)
 
     def _abort(self, job: RoundJob, exc: BaseException) -> None:
         """Fail the round here and tell peers (they fail instead of waiting for us)."""
