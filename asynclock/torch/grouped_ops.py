@@ -24,6 +24,7 @@ from .mpi_ops import (
     _same,
     _start_async,
     start_allreduce,
+    start_alltoall,
     synchronize,
     then,
 )
@@ -137,13 +138,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
                    process_set: Any = None) -> int:
     """Start an alltoall; as in Horovod, `synchronize` returns (output, received_splits)."""
     api = api_of(process_set)
-    split_list = None if splits is None else [int(s) for s in splits]
 
     def post(result: Any) -> Any:
         out, received = result
         return out, torch.tensor(received, dtype=torch.int32)
 
-    start = _start_async(lambda: api.alltoall_async(tensor.contiguous(), split_list, name=name))
+    start = start_alltoall(_start_async, lambda split_list: api.alltoall_async(
+        tensor.contiguous(), split_list, name=name), splits)
     return _register(start, post)
 
 

@@ -19,6 +19,7 @@ import torch
 from .. import adasum, runtime
 from ..handle import Handle
 from ..ops import ReduceOp, as_reduce_op
+from ..tensors import InputRejected
 from .compression import Compression
 from .process_sets import api_of, root_of
 
@@ -217,10 +218,27 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = None) -> Any:
     """Send `splits[r]` rows to rank r; with `splits`, also return the received splits."""
     api = api_of(process_set)
-    split_list = None if splits is None else [int(s) for s in splits]
-    out, received = _wait(_start(lambda: api.alltoall_async(tensor.contiguous(), split_list,
-                                                             name=name)))
+    out, received = _wait(start_alltoall(
+        _start, lambda split_list: api.alltoall_async(tensor.contiguous(), split_list,
+                                                      name=name), splits))
     return out if splits is None else (out, torch.tensor(received, dtype=torch.int32))
+
+
+def start_alltoall(start: Callable[[Callable[[], T]], T], issue: Callable[[Any], T],
+                   splits: Any) -> T:
+    """`start(issue(split list))`. Splits must be integers, as Horovod's int32 tensor:
+    a floating-point tensor is refused by its dtype, not by whatever values it holds
+    (`torch.empty` leaves them to chance). It is refused through the collective's
+    own bad-argument check, so a rank with valid splits fails too instead of waiting."""
+    if not (isinstance(splits, torch.Tensor) and (splits.is_floating_point()
+                                                  or splits.is_complex())):
+        split_list = None if splits is None else [int(s) for s in splits]
+        return start(lambda: issue(split_list))
+    try:
+        return start(lambda: issue([-1]))  # refused: no count may be negative
+    except InputRejected as exc:
+        raise InputRejected(exc.fault, "alltoall splits must hold integers (Horovod: "
+                            f"int32), not {splits.dtype}") from None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,

@@ -223,6 +223,12 @@ def check_grouped(rank: int, size: int) -> None:
                                                        name="a2a"))
     assert torch.equal(out[:, 0], torch.arange(float(size))), out
     assert received.tolist() == [1] * size, received
+    for splits in (torch.ones(size), torch.full((size,), float("nan"))):
+        try:  # the dtype is refused, whatever values the splits hold
+            hvd.alltoall(torch.ones(size), splits)
+        except ValueError:
+            continue
+        raise AssertionError(f"alltoall took {splits.dtype} splits")
 
 
 if __name__ == "__main__":
