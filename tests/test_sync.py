@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from mpijob import assert_all_ok, run_job
+from mpijob import MPI_KIND, OTHER_KINDS, assert_all_ok, run_job
 
 import asynclock
 import asynclock.sync
@@ -40,9 +40,13 @@ def _labels_ok(job: object, nranks: int, labels: list[str]) -> None:
 def test_lock_contract(nranks: int, loop: str, tmp_path: Path) -> None:
     """Lock, Semaphore(1) and a Condition's lock: exclusion, FIFO, nowait,
     timeout, and the three cancellation paths; Semaphore(2) bounds."""
-    job = run_job("sync_contract.py", nranks, *_args(loop, tmp_path), timeout=120)
+    _lock_contract(nranks, loop, tmp_path, MPI_KIND)
+
+
+def _lock_contract(nranks: int, loop: str, tmp_path: Path, kind: str) -> None:
+    job = run_job("sync_contract.py", nranks, *_args(loop, tmp_path), timeout=120, kind=kind)
     assert_all_ok(job, nranks)
-    labels = [f"{check}_{kind}" for check in [*CONTRACT, "lease"] for kind in LOCK_KINDS]
+    labels = [f"{check}_{lk}" for check in [*CONTRACT, "lease"] for lk in LOCK_KINDS]
     _labels_ok(job, nranks, labels + ["semaphore_bounds", "semaphore_mismatch"])
 
 
@@ -61,7 +65,11 @@ def test_lock_contract_without_leases(tmp_path: Path) -> None:
 def test_primitives(nranks: int, loop: str, tmp_path: Path) -> None:
     """Condition notify counts / wait_for / cancel, Event, sequential order and
     cancel, consistency points and their mismatch error."""
-    job = run_job("sync_primitives.py", nranks, *_args(loop, tmp_path), timeout=120)
+    _primitives(nranks, loop, tmp_path, MPI_KIND)
+
+
+def _primitives(nranks: int, loop: str, tmp_path: Path, kind: str) -> None:
+    job = run_job("sync_primitives.py", nranks, *_args(loop, tmp_path), timeout=120, kind=kind)
     assert_all_ok(job, nranks)
     _labels_ok(job, nranks, ["condition_notify", "condition_wait_for", "condition_cancel",
                              "event", "event_timeout_cancel", "sequential",
@@ -74,8 +82,13 @@ def test_primitives(nranks: int, loop: str, tmp_path: Path) -> None:
 def test_unresponsive_rank_is_named(nranks: int, loop: str, tmp_path: Path) -> None:
     """A stopped rank holding a lock, homing one, or awaited: the others raise
     RankFailedError / CollectiveTimeout naming it within stall + probe."""
+    _unresponsive_rank(nranks, loop, tmp_path, MPI_KIND)
+
+
+def _unresponsive_rank(nranks: int, loop: str, tmp_path: Path, kind: str) -> None:
     env = {"ASYNCLOCK_SYNC_STALL_S": "0.3", "ASYNCLOCK_SYNC_PROBE_S": "1"}
-    job = run_job("sync_dead.py", nranks, *_args(loop, tmp_path), timeout=90, env=env)
+    job = run_job("sync_dead.py", nranks, *_args(loop, tmp_path), timeout=90, env=env,
+                  kind=kind)
     assert_all_ok(job, nranks)
     survivors = set(range(nranks)) - {1}
     for label in ("holder_dead", "consistency_dead"):
@@ -85,6 +98,24 @@ def test_unresponsive_rank_is_named(nranks: int, loop: str, tmp_path: Path) -> N
     if nranks > 2:
         assert job.ok_lines("sequential_dead") == {2}, job.explain()
 
+
+# -- the other MPI: a sample, 2 ranks -------------------------------------------------
+# Every lock-like type and every primitive once on the MPI the default does not
+# pick (MPICH where CI's root picks Open MPI): the contract on asyncio, the
+# primitives and a dead rank on trio, so both loops meet that MPI too.
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_lock_contract_on_the_other_mpi(kind: str, tmp_path: Path) -> None:
+    _lock_contract(2, "asyncio", tmp_path, kind)
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_primitives_on_the_other_mpi(kind: str, tmp_path: Path) -> None:
+    _primitives(2, "trio", tmp_path, kind)
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_unresponsive_rank_on_the_other_mpi(kind: str, tmp_path: Path) -> None:
+    _unresponsive_rank(2, "trio", tmp_path, kind)
 
 # -- world size 1 (local backend, in process) -----------------------------------------
 async def _local_world() -> None:
