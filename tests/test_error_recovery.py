@@ -11,7 +11,7 @@ left in flight after each trial.
 from __future__ import annotations
 
 import pytest
-from mpijob import assert_all_ok, horovod_status, run_job
+from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 
 STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
 
@@ -23,6 +23,16 @@ def test_error_trials_mpi(nranks: int, loop: str) -> None:
     job = run_job("error_trials.py", nranks, *args, timeout=180, env=STRAY)
     assert_all_ok(job, nranks)
     assert "mpi: 200 trials" in job.output, job.explain()
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_error_trials_on_the_other_mpi(kind: str) -> None:
+    """A sample on the MPI the default does not pick: 2 ranks, asyncio, 100 trials
+    from a seed of their own, so they draw other errors than the runs above."""
+    job = run_job("error_trials.py", 2, "--trials", "100", "--seed", "2", timeout=120,
+                  env=STRAY, kind=kind)
+    assert_all_ok(job, 2)
+    assert "mpi: 100 trials" in job.output, job.explain()
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
