@@ -193,6 +193,16 @@ def test_cancel_during_backward_keeps_ranks_consistent(nranks: int, loop: str, t
     async_labels(nranks, loop, transport, backend, "cancel_during_backward")
 
 
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_train_step_on_the_other_mpi(kind: str) -> None:
+    """The async API's whole program on the shared window of the other MPI: plain,
+    gated and sharded train steps, cancellation during backward, and sharded steps
+    closed right after a gated flush() (peers may still be ending that round)."""
+    assert_labels(job("torch_async.py", 2, "mpi", "shm", kind=kind), 2, "basic", "no_sync",
+                  "transport_shm", "loop_live_during_backward", "modes_bit_identical",
+                  "cancel_during_backward", "sparse_gated_refused_gate", "sharded_train_step")
+
 # -- an unchanged Horovod script (torch_hvd_script.py) ---------------------------------
 @cases("backend, nranks, flags", [
     ("mpi", 2, ()), ("mpi", 3, ("--fp16-allreduce", "--gradient-predivide-factor", "2.0")),
