@@ -48,10 +48,11 @@ def test_horovod_suite(nranks: int, file: str, tmp_path: Path) -> None:
 # MPI as well: a user's pip-only install runs the embedded MPICH.
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_horovod_torch_suite_on_the_other_mpi(kind: str, tmp_path: Path) -> None:
-    _suite(2, "test_torch.py", tmp_path, kind)
+    # ~30 s; a hang is killed with the job before pytest-timeout (300 s) leaves it running
+    _suite(2, "test_torch.py", tmp_path, kind, timeout=240)
 
 
-def _suite(nranks: int, file: str, tmp_path: Path, kind: str) -> None:
+def _suite(nranks: int, file: str, tmp_path: Path, kind: str, timeout: float = 420) -> None:
     why = conformance.suite_missing() or horovod_status()[1]
     if why:  # their helper module imports the real horovod.runner
         pytest.skip(why)
@@ -60,7 +61,7 @@ def _suite(nranks: int, file: str, tmp_path: Path, kind: str) -> None:
     env = {"ASYNCLOCK_CONFORMANCE_SELECT": " and ".join(f"not {t}" for t in DESELECT_AT_3)
            } if nranks == 3 and DESELECT_AT_3 else None
     summary = conformance.run("asynclock", nranks, tmp_path, kind=kind, files=(file,),
-                              timeout=420, test_timeout=60, env=env)
+                              timeout=timeout, test_timeout=60, env=env)
     got: dict[str, str] = summary["tests"]  # type: ignore[assignment]
     skipped_here = set(DESELECT_AT_3) if nranks == 3 else set()
     regressions = {t: got.get(t, "missing") for t, outcome in reference.items()
