@@ -498,6 +498,7 @@ class _NoLane:
     names: dict[str, Operation] = {}  # never written: raw requests are not named calls
     by_name = False
     seq = 0
+    matcher = None  # raw requests never wait to be matched
 
 
 _NO_LANE: Any = _NoLane()

@@ -193,6 +193,7 @@ class Watchdog:
         self._sent = self._received = self._stalls = 0
         self._cpu = 0.0
         self._errors = 0
+        self._last_snap = EngineSnapshot((), 0, (), ())  # sent if a snapshot fails
         self._thread = threading.Thread(target=self._run, name=f"asynclock-watchdog-{rank}",
                                         daemon=True)
 
@@ -267,7 +268,11 @@ class Watchdog:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        snap = self.engine.snapshot()
+        try:
+            snap = self._last_snap = self.engine.snapshot()
+        except Exception as exc:  # a broken report must never stop the heartbeats
+            self._note_error(exc)
+            snap = self._last_snap
         self._ping_loop(now)
         try:
             self._drain(now)  # first: a peer that said `closing` needs no more heartbeats
@@ -282,7 +287,7 @@ class Watchdog:
     def _note_error(self, exc: Exception) -> None:
         """Say it once; the peers' silence then decides, after dead_after_s."""
         if not self._errors:
-            write_stderr(f"asynclock[rank {self.rank}]: watchdog: heartbeat error {exc!r}\n")
+            write_stderr(f"asynclock[rank {self.rank}]: watchdog: {exc!r}\n")
         self._errors += 1
 
     def _status(self, snap: EngineSnapshot, state: int, reason: str = "") -> tuple[Any, ...]:

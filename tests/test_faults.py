@@ -400,6 +400,21 @@ def test_stall_text_of_a_call_waiting_to_be_matched() -> None:
     assert "rank 2:" not in text
 
 
+class _Pending:
+    """A request that never completes (the request protocol: `Test()`)."""
+
+    def Test(self) -> bool:  # noqa: N802
+        return False
+
+
+def test_snapshot_with_a_raw_request_in_flight() -> None:
+    """The watchdog thread snapshots every in-flight op, raw requests included."""
+    engine = Engine()
+    engine.track(_Pending(), "a point-to-point receive")
+    (view,) = engine.snapshot().ops
+    assert view.description == "a point-to-point receive" and view.unmatched_by is None
+
+
 def _dog(size: int = 3) -> Watchdog:
     """Decision logic only: no thread, no communicator."""
     return Watchdog(None, Engine(), 0, size, WatchdogPolicy(dead_after_s=10.0))
