@@ -44,15 +44,20 @@ def test_horovod_suite(nranks: int, file: str, tmp_path: Path) -> None:
     _suite(nranks, file, tmp_path, "auto")
 
 
+# Each job takes 10-45 s here; its own timeout kills a hung job (and names the tests that
+# never reported) before pytest-timeout (300 s) would stop the test and leave the job running.
+JOB_TIMEOUT_S = 240
+
+
 # Real Horovod is built against Open MPI only, so its reference holds for the other
 # MPI as well: a user's pip-only install runs the embedded MPICH.
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_horovod_torch_suite_on_the_other_mpi(kind: str, tmp_path: Path) -> None:
-    # ~30 s; a hang is killed with the job before pytest-timeout (300 s) leaves it running
-    _suite(2, "test_torch.py", tmp_path, kind, timeout=240)
+    _suite(2, "test_torch.py", tmp_path, kind)
 
 
-def _suite(nranks: int, file: str, tmp_path: Path, kind: str, timeout: float = 420) -> None:
+def _suite(nranks: int, file: str, tmp_path: Path, kind: str,
+           timeout: float = JOB_TIMEOUT_S) -> None:
     why = conformance.suite_missing() or horovod_status()[1]
     if why:  # their helper module imports the real horovod.runner
         pytest.skip(why)
