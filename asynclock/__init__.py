@@ -8,9 +8,9 @@ Importing asynclock initialises nothing: MPI starts at `init()`/`start()`.
 
 from __future__ import annotations
 
-from .checkpoint import Checkpointer, CheckpointError, find_latest
-from .data import ShardSampler
-from .errors import (
+from typing import Any
+
+from ._core.base.errors import (
     AsynclockError,
     BackendError,
     CollectiveTimeout,
@@ -24,10 +24,13 @@ from .errors import (
     StallError,
     UnmatchedError,
 )
-from .handle import Handle
-from .ops import Average, Max, Min, Product, ReduceOp, Sum
-from .progress import EngineStatistics, ProgressPolicy
-from .runtime import (
+from ._core.base.ops import Average, Max, Min, Product, ReduceOp, Sum
+from ._core.base.version import __version__ as __version__
+from ._core.engine import progress as _progress_module
+from ._core.engine.handle import Handle
+from ._core.engine.progress import EngineStatistics, ProgressPolicy
+from ._core.runtime import coordinator as _coordinator_module
+from ._core.runtime.coordinator import (
     Coordinator,
     coordinator,
     cross_rank,
@@ -41,9 +44,27 @@ from .runtime import (
     size,
     start,
 )
-from .sync import Condition, ConsistencyPoint, Event, Lock, Semaphore, Sequential
+from ._core.sync import Condition, ConsistencyPoint, Event, Lock, Semaphore, Sequential
+from ._tools.checkpoint import Checkpointer, CheckpointError, find_latest
+from ._tools.data import ShardSampler
 
-__version__ = "0.1.0"
+
+def _train_step(coord: Coordinator, optimizer: Any, **options: Any) -> Any:
+    from .torch._grad.step import train_step  # torch loads only when a step is asked for
+
+    return train_step(coord, optimizer, **options)
+
+
+def _timeline_on_start(engine: Any) -> None:
+    from . import timeline
+
+    timeline.attach(engine)
+
+
+# The core calls up through these two registrations, never by importing the layers above.
+_coordinator_module.use_train_step(_train_step)
+_progress_module.on_engine_start(_timeline_on_start)
+
 
 __all__ = [
     "AsynclockError", "Average", "BackendError", "CollectiveTimeout", "Coordinator",

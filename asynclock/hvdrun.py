@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .backends.horovod_mpi import STAMP_NAME
+from ._core.transports.horovod_mpi import STAMP_NAME
 
 
 def horovod_kind(prefix: Path | None = None) -> str | None:

@@ -13,7 +13,7 @@ environment, kills the whole process group on `--timeout`, returns non-zero
 when any rank failed, and merges `--timeline` files at the end, even after
 a failure.
 
-Each rank starts behind `asynclock/rankio.py`, which tags whole output
+Each rank starts behind `asynclock/_tools/rank_output.py`, which tags whole output
 lines `[r] line` (the runners' own tags split lines) and announces a rank
 that failed, so a runner that never notices still ends (see that module).
 """
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from ._tools.rank_output import env_rank as env_rank  # re-exported: the launchers' rank variables
+from ._tools.rank_output import env_size as env_size
+from ._tools.rank_output import trampoline
 from .jobwatch import FAILURE_GRACE_S, run_job
 from .jobwatch import TIMEOUT_EXIT as TIMEOUT_EXIT  # re-exported for callers and tests
 from .jobwatch import strip_tag as strip_tag
-from .rankio import env_rank as env_rank  # re-exported: the launchers' rank variables
-from .rankio import env_size as env_size
-from .rankio import trampoline
 
 RUNNERS = ("auto", "mpiexec", "embedded", "system", "horovodrun", "srun")
 # Variables Open MPI must be told to forward (-x): local ranks inherit, remote ones do not.

@@ -259,8 +259,8 @@ def recorder() -> StepRecorder:
 def _rank_of(coord: Any) -> int:
     if coord is not None:
         return int(coord.rank)
-    from . import runtime
-    from .rankio import env_rank
+    from ._core.runtime import coordinator as runtime
+    from ._tools.rank_output import env_rank
 
     return runtime.coordinator().rank if runtime.is_initialized() else env_rank() or 0
 

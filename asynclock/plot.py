@@ -20,16 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .metrics import (
-    RankTracks,
-    StepMetrics,
-    clip,
-    difference,
-    measure,
-    total,
-    tracks,
-    union,
-)
+from .metrics import RankTracks, StepMetrics, clip, difference, measure, total, tracks, union
 
 Event = dict[str, Any]
 LANES = (("compute", "#4c72b0"), ("comm", "#dd8452"), ("exposed comm", "#c44e52"),

@@ -49,13 +49,13 @@ from types import TracebackType
 from typing import Any
 
 # The file side of the timeline, re-exported so `timeline.merge(...)` works.
-from .timeline_merge import MergeResult as MergeResult
-from .timeline_merge import merge as merge
-from .timeline_merge import merged_path as merged_path
-from .timeline_merge import rank_files as rank_files
-from .timeline_merge import rank_path as rank_path
-from .timeline_merge import read_rank_file as read_rank_file
-from .timeline_merge import remove_rank_files as remove_rank_files
+from ._tools.timeline_merge import MergeResult as MergeResult
+from ._tools.timeline_merge import merge as merge
+from ._tools.timeline_merge import merged_path as merged_path
+from ._tools.timeline_merge import rank_files as rank_files
+from ._tools.timeline_merge import rank_path as rank_path
+from ._tools.timeline_merge import read_rank_file as read_rank_file
+from ._tools.timeline_merge import remove_rank_files as remove_rank_files
 
 ENV = "ASYNCLOCK_TIMELINE"
 # Fixed thread ids, so every rank lists its categories in the same order.
@@ -281,21 +281,21 @@ def _start_from_env() -> None:
 
 
 def _coordinator_attr(name: str) -> int | None:
-    from . import runtime
+    from ._core.runtime import coordinator as runtime
 
     return int(getattr(runtime.coordinator(), name)) if runtime.is_initialized() else None
 
 
 def _detect_rank() -> int:
     """The coordinator's rank, else the launcher's environment, else 0."""
-    from .rankio import env_rank
+    from ._tools.rank_output import env_rank
 
     found = _coordinator_attr("rank")
     return found if found is not None else env_rank() or 0
 
 
 def _detect_size() -> int | None:
-    from .rankio import env_size
+    from ._tools.rank_output import env_size
 
     found = _coordinator_attr("size")
     return found if found is not None else env_size()

@@ -29,7 +29,7 @@ import torch
 from mpi4py import MPI
 
 import asynclock
-from asynclock.runtime import make_backend
+from asynclock._core.runtime.coordinator import make_backend
 
 WORLD = MPI.COMM_WORLD
 SIZES = [4, 64 << 10, 4 << 20, 64 << 20]

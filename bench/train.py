@@ -256,7 +256,7 @@ def asynclock_async(t: Trainer, args: argparse.Namespace, backend: str = "mpi",
     from anyio.from_thread import start_blocking_portal
 
     import asynclock
-    from asynclock.runtime import make_backend
+    from asynclock._core.runtime.coordinator import make_backend
     from asynclock.torch import training_policy
 
     if backend == "horovod":
@@ -393,7 +393,7 @@ def note_bulk_choice() -> None:
     """Across hosts asynclock may send large allreduces over gloo: say what it chose."""
     if "asynclock.torch" not in sys.modules:
         return
-    from asynclock import runtime
+    from asynclock._core.runtime import coordinator as runtime
 
     coord = runtime.coordinator() if runtime.is_initialized() else None
     choice = getattr(getattr(coord, "backend", None), "bulk_choice", "")

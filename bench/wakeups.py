@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from asynclock.alarm import Alarm
+from asynclock._core.base.wakeup import Alarm
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -72,7 +72,7 @@ def sleep_table(seconds: float) -> None:
 def idle_coordinator(seconds: float) -> None:
     """Loop-thread CPU per second of an idle Horovod-style coordinator."""
     import asynclock.torch as hvd
-    from asynclock import runtime
+    from asynclock._core.runtime import coordinator as runtime
 
     hvd.init()
     runtime.coordinator().run_sync(_touch)  # start the loop thread

@@ -1,4 +1,4 @@
-"""Build asynclock's C small-message round (`asynclock/_fastpath.c`) for every MPI here.
+"""Build asynclock's C small-message round (`_core/engine/_fastpath.c`) for every MPI here.
 
 Each MPI has its own ABI, so each gets its own build, compiled by that MPI's
 `mpicc` in a process whose mpi4py loads that MPI (`mpi_select.environ_for`).
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(kind: str) -> bool:
-    code = "import sys, asynclock.fastpath as f; sys.exit(f.main())"
+    code = "import sys, asynclock._core.engine.fastpath as f; sys.exit(f.main())"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
                           env=mpi_select.environ_for(kind), capture_output=True, text=True,
                           timeout=300, check=False)

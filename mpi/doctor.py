@@ -72,7 +72,7 @@ print(json.dumps({"version": torch.__version__, "cuda_available": torch.cuda.is_
 
 _FAST_PROBE = r"""
 import json, os
-import asynclock.fastpath as f
+import asynclock._core.engine.fastpath as f
 path = f.built_path()
 try:
     loaded = f.load() is not None

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from asynclock.backends.local import LocalBackend
-from asynclock.operation import Lane, State
-from asynclock.progress import Engine, ProgressPolicy
+from asynclock._core.engine.operation import Lane, State
+from asynclock._core.engine.progress import Engine, ProgressPolicy
+from asynclock._core.transports.local import LocalBackend
 
 US = 1e-6
 

@@ -1,4 +1,4 @@
-"""The engine's sleep (`asynclock.alarm.Alarm`) on asyncio and trio: woken early,
+"""The engine's sleep (`asynclock._core.base.wakeup.Alarm`) on asyncio and trio: woken early,
 timed out, cancelled, and a wake with nobody asleep dropped."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import anyio
 import pytest
 
-from asynclock.alarm import Alarm
+from asynclock._core.base.wakeup import Alarm
 
 BACKENDS = ["asyncio", "trio"]
 

@@ -14,7 +14,7 @@ import pytest
 from mpijob import PROGRAMS, assert_all_ok, run_job
 
 import asynclock
-from asynclock.checkpoint import (
+from asynclock._tools.checkpoint import (
     LATEST,
     MANIFEST,
     Checkpointer,

@@ -94,7 +94,7 @@ TINY_LABELS = ("folds", "mixed_paths", "broadcast_barrier", "mid_size", "changed
 
 def fastpath_built(kind: str = MPI_KIND) -> bool:
     """Whether setup built the C round for this MPI (then the job must use it)."""
-    code = "import asynclock.fastpath as f; print(f.load() is not None)"
+    code = "import asynclock._core.engine.fastpath as f; print(f.load() is not None)"
     env = {k: v for k, v in mpi_select.environ_for(kind).items() if k != "ASYNCLOCK_FASTPATH"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60, check=False)
@@ -104,9 +104,10 @@ def fastpath_built(kind: str = MPI_KIND) -> bool:
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
 @pytest.mark.parametrize("path", ["C", "python"])
 def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
-    """asynclock.tiny: agrees with the general path (allreduce, broadcast, barrier),
+    """The small-call path (`engine.small_calls`): agrees with the general path (allreduce,
+    broadcast, barrier),
     hands off to the engine when a rank is late, follows changed tensors, yields; the
-    C round (`asynclock/_fastpath.c`, when built) and the Python one alike."""
+    C round (`_fastpath.c`, when built) and the Python one alike."""
     if path == "C" and not fastpath_built():
         pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
     job = run_job("tiny_collectives.py", nranks, *(["--trio"] if loop == "trio" else []),

@@ -1,4 +1,4 @@
-"""asynclock.cuda and asynclock.staging on a machine without CUDA.
+"""asynclock.cuda and asynclock._core.engine.staging on a machine without CUDA.
 
 What must hold everywhere: every CUDA helper is a no-op or a clear error,
 importing asynclock never imports torch, `cuda.wait` lets other tasks run
@@ -20,16 +20,17 @@ import pytest
 import torch
 from mpijob import DEFAULT_KIND, OTHER_KINDS, assert_all_ok, run_job
 
-from asynclock import cuda, staging
-from asynclock.backends.local import LocalBackend
-from asynclock.collective_ops import AllreduceOp, BarrierOp
-from asynclock.cuda.transport import horovod_gpu, ompi_info_says_cuda
-from asynclock.cuda.waiting import WaitPolicy
-from asynclock.errors import CollectiveTimeout, InvalidInputError
-from asynclock.header import Call
-from asynclock.ops import Kind, ReduceOp
-from asynclock.runtime import Coordinator
-from asynclock.tensors import InputFault, InputRejected, as_buffer
+from asynclock import cuda
+from asynclock._core.base.errors import CollectiveTimeout, InvalidInputError
+from asynclock._core.base.header import Call
+from asynclock._core.base.ops import Kind, ReduceOp
+from asynclock._core.base.tensors import InputFault, InputRejected, as_buffer
+from asynclock._core.device.paths import horovod_gpu, ompi_info_says_cuda
+from asynclock._core.device.waiting import WaitPolicy
+from asynclock._core.engine import staging
+from asynclock._core.engine.collective_ops import AllreduceOp, BarrierOp
+from asynclock._core.runtime.coordinator import Coordinator
+from asynclock._core.transports.local import LocalBackend
 
 LOOPS = ["asyncio", "trio"]
 
@@ -83,7 +84,7 @@ class BlockingEvent:
 
 # -- import hygiene and no-ops ---------------------------------------------------------
 def test_import_asynclock_does_not_import_torch() -> None:
-    code = ("import sys, asynclock, asynclock.cuda, asynclock.staging; "
+    code = ("import sys, asynclock, asynclock.cuda, asynclock._core.engine.staging; "
             "from asynclock import cuda; cuda.record(); cuda.stream_wait(None, None); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

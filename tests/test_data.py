@@ -8,7 +8,7 @@ import itertools
 import pytest
 from mpijob import assert_all_ok, run_job
 
-from asynclock.data import ShardSampler
+from asynclock._tools.data import ShardSampler
 
 
 @pytest.mark.parametrize(("n", "size"), [(10, 3), (12, 4), (2, 3), (7, 1), (100, 7)])

@@ -36,17 +36,11 @@ from mpijob import (
 )
 
 from asynclock import Coordinator
-from asynclock.errors import RankFailedError
-from asynclock.failure import (
-    EXIT_RANK_FAILED,
-    EXIT_STALL,
-    EXIT_UNCAUGHT,
-    is_failure,
-    tagged,
-    traceback_text,
-)
-from asynclock.progress import Engine, InflightOp
-from asynclock.watchdog import (
+from asynclock._core.base.errors import RankFailedError
+from asynclock._core.engine.progress import Engine, InflightOp
+from asynclock._core.runtime.exits import EXIT_RANK_FAILED, EXIT_STALL, EXIT_UNCAUGHT
+from asynclock._core.runtime.failure import is_failure, tagged, traceback_text
+from asynclock._core.runtime.watchdog import (
     CLOSING,
     FAILED,
     PeerStatus,
@@ -237,7 +231,8 @@ def test_a_rank_frozen_holding_the_gil_dumps_its_own_stacks() -> None:
     assert "asynclock[rank 0]: rank 1 is unreachable" in job.output, job.explain()
     dump = job.output[job.output.find("Timeout (0:00:02"):]
     assert dump and re.search(r'fault_kill\.py", line \d+ in hold_the_gil', dump), job.explain()
-    assert "asynclock/watchdog.py" in dump, job.explain()  # the heartbeat thread, waiting
+    # the heartbeat thread, waiting
+    assert "asynclock/_core/runtime/watchdog.py" in dump, job.explain()
     assert_no_orphans(job, 2)
 
 
@@ -281,7 +276,7 @@ def test_killed_rank_horovodrun(gloo: bool) -> None:
 def test_frozen_rank_horovodrun(gloo: bool) -> None:
     """The watchdog runs on the Horovod backend too: under Horovod's MPI controller on
     a communicator, under `horovodrun --gloo` (no MPI world) on a TCP mesh of its own
-    (`asynclock.heartbeat`; before it, a frozen rank there hung the job in silence)."""
+    (`transports.heartbeat`)."""
     job, elapsed = horovodrun("fault_kill.py", "--signal", "STOP", gloo=gloo)
     assert job.returncode not in (0, 124) and elapsed < DEADLINE_S, job.explain()
     assert "asynclock[rank 0]: rank 1 is unreachable" in job.output, job.explain()

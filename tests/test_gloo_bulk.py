@@ -1,4 +1,4 @@
-"""Bulk allreduces over asynclock's private gloo group (asynclock.backends.gloo_bulk).
+"""Bulk allreduces over asynclock's private gloo group (asynclock._core.transports.gloo_bulk).
 
 Across hosts `auto` measures MPI against gloo and agrees on one; these
 tests force each choice on one node (`ASYNCLOCK_BULK`), lower the size from
@@ -63,7 +63,7 @@ def test_gloo_wins_beside_compute_without_losing_much_alone(
     """The probe's rule (regression: an idle-machine rule chose MPI for 4 MiB
     buckets on the 2-host rig, and MPI's spinning wait thread took the core its
     own backward needed: ~100 ms of CPU per MLP step)."""
-    from asynclock.backends.gloo_bulk import _gloo_wins
+    from asynclock._core.transports.gloo_bulk import _gloo_wins
 
     assert _gloo_wins(mpi_alone, gloo_alone, mpi_beside, gloo_beside) is wins
 
@@ -75,7 +75,7 @@ def test_the_probe_load_runs_beside_the_call_and_is_waited_for() -> None:
     pytest.importorskip("torch")
     import time
 
-    from asynclock.backends.gloo_bulk import _Load
+    from asynclock._core.transports.gloo_bulk import _Load
 
     assert _Load(0.02, chunk_seconds=0.001).chunks == 20
     assert _Load(0.0001, chunk_seconds=0.001).chunks == 1

@@ -26,10 +26,15 @@ from mpijob import (
     run_job,
 )
 
-from asynclock.backends.horovod import _row_width, _split
-from asynclock.backends.horovod_mpi import MPIName, check_launcher, check_mpi4py, launcher_mpi
-from asynclock.backends.mailbox import AGREE, HEADERS, Mailbox
-from asynclock.errors import BackendError
+from asynclock._core.base.errors import BackendError
+from asynclock._core.transports.horovod import _row_width, _split
+from asynclock._core.transports.horovod_mpi import (
+    MPIName,
+    check_launcher,
+    check_mpi4py,
+    launcher_mpi,
+)
+from asynclock._core.transports.mailbox import AGREE, HEADERS, Mailbox
 
 BACKEND_LABELS = ["widened", "cancel_detaches", "mismatch_poll", "mismatch_wait", "alive",
                   "small_never_horovod", "horovod_down"]

@@ -41,7 +41,7 @@ def test_join_horovod_api(nranks: int) -> None:
 def test_join_horovod_api_on_the_horovod_backend(nranks: int) -> None:
     """The same on Horovod's transport, where checked rounds send their buckets as
     Horovod groups of handed gradients and rounds a joined rank stands in for first
-    settle them into the bucket (`asynclock.torch.grouped`)."""
+    settle them into the bucket (`asynclock.torch._grad.grouped`)."""
     kind, why = horovod_status()
     if why:
         pytest.skip(why)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asynclock.errors import JoinedError, MismatchError
-from asynclock.header import EVERY_RANK, SLOT_WORDS, WORDS, Call, check, pack
-from asynclock.join import JOIN_NAME, identity
-from asynclock.ops import DTYPE_CODES, Kind, ReduceOp
-from asynclock.reduce import to_compute
+from asynclock._core.base.errors import JoinedError, MismatchError
+from asynclock._core.base.header import EVERY_RANK, SLOT_WORDS, WORDS, Call, check, pack
+from asynclock._core.base.ops import DTYPE_CODES, Kind, ReduceOp
+from asynclock._core.base.reduce import to_compute
+from asynclock._core.engine.join import JOIN_NAME, identity
 
 
 def _rows(*calls: Call) -> np.ndarray:

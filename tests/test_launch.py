@@ -16,7 +16,8 @@ from types import ModuleType
 import pytest
 from mpijob import PROGRAMS, ROOT
 
-from asynclock import jobwatch, launch, rankio
+from asynclock import jobwatch, launch
+from asynclock._tools import rank_output as rankio
 
 
 def _mpi_select() -> ModuleType:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from mpijob import DEFAULT_KIND, OTHER_KINDS, PROGRAMS, horovodrun_missing
 
-from asynclock.failure import EXIT_RANK_FAILED
+from asynclock._core.runtime.exits import EXIT_RANK_FAILED
 
 sys.path.insert(0, str(PROGRAMS))
 import mpi_select  # noqa: E402  (mpi/, put on sys.path by mpijob)

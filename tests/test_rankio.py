@@ -1,4 +1,4 @@
-"""The per-rank trampoline (asynclock/rankio.py): whole tagged lines, the program's
+"""The per-rank trampoline (asynclock/_tools/rank_output.py): whole tagged lines, the program's
 status and signals passed through, and a failed program announced to the launcher."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from asynclock import jobwatch, rankio
+from asynclock import jobwatch
+from asynclock._tools import rank_output as rankio
 
 RANK5 = {**os.environ, "PMI_RANK": "5"}
 

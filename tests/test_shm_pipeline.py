@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from asynclock.errors import BackendError
-from asynclock.torch.buckets import Caps, ParamSpec, build_plan
-from asynclock.torch.shm_chunks import HandedGrads
-from asynclock.torch.shm_pipeline import PACKED, RoundJob, ShmPipeline
+from asynclock._core.base.errors import BackendError
+from asynclock.torch._grad.buckets import Caps, ParamSpec, build_plan
+from asynclock.torch._grad.shm_chunks import HandedGrads
+from asynclock.torch._grad.shm_pipeline import PACKED, RoundJob, ShmPipeline
 
 TIMEOUT = 10.0
 
@@ -227,7 +227,7 @@ def test_a_round_waiting_for_a_peer_shows_as_a_stall_naming_it(node: Node) -> No
     """Invariant 2: the watchdog's stall inspector sees the pipeline's wait (it is
     no engine op) and names the rank that holds it up; a rank that only waits for
     its own backward is no stall."""
-    from asynclock.progress import Engine
+    from asynclock._core.engine.progress import Engine
 
     node.pipes[0].submit(node.job(0, 0, 3))
     late = node.job(1, 0, 0)
@@ -250,8 +250,8 @@ class _Pending:
     """Stand-in for an op whose peers have not arrived: counts the engine's polls."""
 
     def __init__(self, patient: bool) -> None:
-        from asynclock.backends.local import LocalBackend
-        from asynclock.operation import Lane, State
+        from asynclock._core.engine.operation import Lane, State
+        from asynclock._core.transports.local import LocalBackend
 
         self.patient, self.threaded, self.done, self.polls = patient, False, False, 0
         self.state = State.HEADER  # its header round is in flight
@@ -272,7 +272,7 @@ def test_a_patient_op_is_neither_spun_for_nor_polled_tightly() -> None:
     spin or a tight poll for the peers would take that core (2 ranks, 2 cores)."""
     import anyio
 
-    from asynclock.progress import Engine, ProgressPolicy
+    from asynclock._core.engine.progress import Engine, ProgressPolicy
 
     engine = Engine(ProgressPolicy(spin_s=0.05, busy_s=1.0))
     eager, patient = _Pending(False), _Pending(True)
@@ -313,7 +313,7 @@ def test_an_op_awaiting_its_hint_is_polled_slowly_then_promptly() -> None:
     is tested at once."""
     import anyio
 
-    from asynclock.progress import Engine, ProgressPolicy
+    from asynclock._core.engine.progress import Engine, ProgressPolicy
 
     engine = Engine(ProgressPolicy(spin_s=0.0, busy_s=0.0, max_sleep_s=0.02))
     op = _Pending(True)

@@ -16,7 +16,7 @@ import pytest
 from mpijob import MPI_KIND, OTHER_KINDS, assert_all_ok, run_job
 
 import asynclock
-import asynclock.sync
+import asynclock._core.sync
 
 pytestmark = pytest.mark.mpi
 
@@ -147,7 +147,7 @@ async def _local_world() -> None:
             c.semaphore("s", 3)
 
 
-async def _refused(lock: asynclock.sync.Lock) -> None:
+async def _refused(lock: asynclock._core.sync.Lock) -> None:
     """Another task: the lock is held, so nowait must refuse."""
     with pytest.raises(anyio.WouldBlock):
         await lock.acquire_nowait()

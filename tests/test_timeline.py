@@ -22,7 +22,7 @@ import pytest
 from mpijob import PROGRAMS, ROOT, assert_all_ok, run_job
 
 from asynclock import metrics, timeline
-from asynclock.timeline_merge import MergeResult
+from asynclock._tools.timeline_merge import MergeResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -318,7 +318,7 @@ def test_plot_command_writes_png(two_rank_run: tuple[Path, str], tmp_path: Path)
 
 def test_import_asynclock_stays_light() -> None:
     code = ("import sys, asynclock, asynclock.timeline, asynclock.metrics, asynclock.plot\n"
-            "import asynclock.launch, asynclock.rankio\n"
+            "import asynclock.launch, asynclock._tools.rank_output\n"
             "heavy = {'matplotlib', 'torch', 'tqdm'} & set(sys.modules)\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

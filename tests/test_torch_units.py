@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asynclock.ops import ReduceOp
-from asynclock.torch.buckets import Caps, ParamSpec, bucket_ready_times, build_plan
-from asynclock.torch.priority import busy_seconds, link_speed, priority_launch
-from asynclock.torch.reducer import ReduceOptions
-from asynclock.torch.registry import ParamRegistry
-from asynclock.torch.storage import GradStorage
+from asynclock._core.base.ops import ReduceOp
+from asynclock.torch._grad.buckets import Caps, ParamSpec, bucket_ready_times, build_plan
+from asynclock.torch._grad.priority import busy_seconds, link_speed, priority_launch
+from asynclock.torch._grad.reducer import ReduceOptions
+from asynclock.torch._grad.registry import ParamRegistry
+from asynclock.torch._grad.storage import GradStorage
 
 F32 = 4
 
@@ -171,11 +171,11 @@ class _FailedRun:
 def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
     """Regression (CI, shm mismatch test): a bucket packed after its round failed
     started a fresh round, whose stage op only this rank issued."""
-    from asynclock.backends.local import LocalBackend
-    from asynclock.errors import MismatchError
-    from asynclock.operation import Lane
-    from asynclock.progress import Engine
-    from asynclock.torch.shm import ShmTransport, _Round
+    from asynclock._core.base.errors import MismatchError
+    from asynclock._core.engine.operation import Lane
+    from asynclock._core.engine.progress import Engine
+    from asynclock._core.transports.local import LocalBackend
+    from asynclock.torch._grad.shm import ShmTransport, _Round
 
     plan = build_plan([1, 0], specs(16, 16), Caps(bucket_bytes=64, first_bucket_bytes=64))
     engine, lane = Engine(), Lane(LocalBackend().channel("grad"))
@@ -198,11 +198,11 @@ def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
 
 def _one_rank_scheduler(nbuckets: int):  # type: ignore[no-untyped-def]
     """A scheduler on a one-rank local channel, and a run of `nbuckets` 8-float buckets."""
-    from asynclock.backends.local import LocalBackend
-    from asynclock.operation import Lane
-    from asynclock.progress import Engine
-    from asynclock.torch.run import StepRun
-    from asynclock.torch.scheduler import Scheduler
+    from asynclock._core.engine.operation import Lane
+    from asynclock._core.engine.progress import Engine
+    from asynclock._core.transports.local import LocalBackend
+    from asynclock.torch._grad.run import StepRun
+    from asynclock.torch._grad.scheduler import Scheduler
 
     params = [torch.nn.Parameter(torch.ones(8)) for _ in range(nbuckets)]
     reg = ParamRegistry(torch.optim.SGD(params, lr=0.1).param_groups)
@@ -220,8 +220,8 @@ def _one_rank_scheduler(nbuckets: int):  # type: ignore[no-untyped-def]
 def test_a_checked_round_issues_one_check_then_bare_data_stages() -> None:
     """One header round per gradient round, not one per bucket: the lane's
     sequence counts the check plus one per bucket, and no bucket has a header."""
-    from asynclock.operation import State
-    from asynclock.torch.scheduler import CheckedBucketOp
+    from asynclock._core.engine.operation import State
+    from asynclock.torch._grad.scheduler import CheckedBucketOp
 
     scheduler, run, lane = _one_rank_scheduler(3)
     started: list[str] = []
@@ -245,7 +245,7 @@ def test_a_checked_round_issues_one_check_then_bare_data_stages() -> None:
 def test_the_check_waits_for_the_round_before_to_launch_everything() -> None:
     """Its place on the lane is after every op of the round before, on every rank,
     however early this rank packs the next round's first bucket."""
-    from asynclock.torch.run import StepRun
+    from asynclock.torch._grad.run import StepRun
 
     scheduler, first, lane = _one_rank_scheduler(2)
     second = StepRun(2, 0, first.plan, first.storage, 1, 2)
@@ -260,8 +260,8 @@ def test_the_check_waits_for_the_round_before_to_launch_everything() -> None:
 def test_a_failed_check_fails_every_bucket_and_launches_none() -> None:
     """The verdict is collective: every rank fails the whole round at once, and a
     bucket packed after that issues nothing."""
-    from asynclock.errors import MismatchError
-    from asynclock.torch.scheduler import Check
+    from asynclock._core.base.errors import MismatchError
+    from asynclock.torch._grad.scheduler import Check
 
     scheduler, run, lane = _one_rank_scheduler(3)
     err = MismatchError("plans differ")

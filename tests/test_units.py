@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from asynclock.errors import MismatchError, RemoteInputError
-from asynclock.header import SLOT_WORDS, WORDS, Call, check, label, pack
-from asynclock.ops import DTYPE_CODES, Kind, ReduceOp, as_reduce_op
-from asynclock.reduce import finish_average_inplace, fold, from_compute, to_compute
-from asynclock.tensors import InputFault, InputRejected, as_buffer
+from asynclock._core.base.errors import MismatchError, RemoteInputError
+from asynclock._core.base.header import SLOT_WORDS, WORDS, Call, check, label, pack
+from asynclock._core.base.ops import DTYPE_CODES, Kind, ReduceOp, as_reduce_op
+from asynclock._core.base.reduce import finish_average_inplace, fold, from_compute, to_compute
+from asynclock._core.base.tensors import InputFault, InputRejected, as_buffer
 
 
 def _rows(*calls: Call) -> np.ndarray:
@@ -111,7 +111,7 @@ def test_reduce_op_aliases() -> None:
 
 
 def test_ring_chunk_bounds_cover_every_element_once() -> None:
-    from asynclock.backends.ring import chunk_bounds
+    from asynclock._core.transports.ring import chunk_bounds
 
     assert chunk_bounds(10, 3) == [0, 4, 7, 10]
     assert chunk_bounds(2, 3) == [0, 1, 2, 2]  # an empty chunk is fine
@@ -133,7 +133,7 @@ def test_wait_thread_holds_no_buffer_once_idle_and_is_joined() -> None:
 
     import anyio
 
-    from asynclock.runtime import Coordinator, make_backend
+    from asynclock._core.runtime.coordinator import Coordinator, make_backend
 
     async def main() -> tuple[weakref.ref[torch.Tensor], int]:
         coord = Coordinator(make_backend("local"))
@@ -156,8 +156,8 @@ def test_wait_thread_holds_no_buffer_once_idle_and_is_joined() -> None:
 
 
 def test_process_set_ranks_are_checked_and_sorted() -> None:
-    from asynclock.errors import InvalidInputError
-    from asynclock.process_sets import Subset, normalise
+    from asynclock._core.api.process_sets import Subset, normalise
+    from asynclock._core.base.errors import InvalidInputError
 
     assert normalise([2, 0, 2], 3) == (0, 2)
     for bad in ([], [3], [-1, 0]):
@@ -200,7 +200,7 @@ def test_auto_picks_horovod_only_where_there_is_no_mpi_world(
         env: dict[str, str], want: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Horovod's background thread costs every rank a share of a core whether or not it
     has work, so `auto` takes Horovod only under `horovodrun --gloo` (no MPI world)."""
-    from asynclock import runtime
+    from asynclock._core.runtime import coordinator as runtime
 
     for var in (*runtime._HOROVOD_ENV, *runtime._MPI_LAUNCHER_ENV, "ASYNCLOCK_BACKEND"):
         monkeypatch.delenv(var, raising=False)

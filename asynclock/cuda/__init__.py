@@ -12,17 +12,17 @@
 
 Collectives accept CUDA tensors: they are staged through pinned host memory
 on asynclock's copy streams after the producer's event, or handed to MPI
-directly when it handles device memory (`asynclock.staging`,
-`asynclock.cuda.transport`). Importing this package never imports torch,
+directly when it handles device memory (`engine.staging`,
+`device.paths`). Importing this package never imports torch,
 and without CUDA every helper is a no-op (None events, waits that return).
 """
 
 from __future__ import annotations
 
-from .device import available, set_device
-from .events import BucketSync, record, stream_wait
-from .transport import CudaSupport, cuda_support, describe, horovod_gpu
-from .waiting import WaitPolicy, WaitStatistics, statistics, wait
+from .._core.device.device import available, set_device
+from .._core.device.events import BucketSync, record, stream_wait
+from .._core.device.paths import CudaSupport, cuda_support, describe, horovod_gpu
+from .._core.device.waiting import WaitPolicy, WaitStatistics, statistics, wait
 
 __all__ = [
     "BucketSync", "CudaSupport", "WaitPolicy", "WaitStatistics", "available", "cuda_support",

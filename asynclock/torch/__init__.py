@@ -11,17 +11,17 @@
         optimizer.step()
 
 The async API for custom loops is `coord.train_step(optimizer)` (see
-`asynclock.torch.step`). Gradients travel in agreed, overlapped buckets
-(see `asynclock.torch.reducer`).
+`asynclock.torch._grad.step`). Gradients travel in agreed, overlapped buckets
+(see `asynclock.torch._grad.reducer`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import runtime
-from ..ops import Average, Max, Min, Product, ReduceOp, Sum
-from ..runtime import (
+from .._core.base.ops import Average, Max, Min, Product, ReduceOp, Sum
+from .._core.runtime import coordinator as runtime
+from .._core.runtime.coordinator import (
     cross_rank,
     cross_size,
     is_initialized,
@@ -30,9 +30,12 @@ from ..runtime import (
     rank,
     size,
 )
-from .compression import Compression, Compressor
-from .config import Tuning, training_policy
-from .differentiable import (
+from ._grad.compression import Compression, Compressor
+from ._grad.options import Tuning, training_policy
+from ._grad.reducer import quiesce_all, stop_workers
+from ._grad.step import TrainStep, TrainStepStatistics, train_step
+from ._grad.tracing import trace_module
+from ._hvd.differentiable import (
     allgather,
     allreduce,
     alltoall,
@@ -42,7 +45,7 @@ from .differentiable import (
     grouped_reducescatter,
     reducescatter,
 )
-from .extras import (
+from ._hvd.extras import (
     HorovodInternalError,
     ccl_built,
     ddl_built,
@@ -50,7 +53,7 @@ from .extras import (
     start_timeline,
     stop_timeline,
 )
-from .grouped_ops import (
+from ._hvd.grouped_ops import (
     alltoall_async,
     grouped_allgather_async,
     grouped_allreduce_,
@@ -59,7 +62,7 @@ from .grouped_ops import (
     grouped_reducescatter_async,
     reducescatter_async,
 )
-from .mpi_ops import (
+from ._hvd.mpi_ops import (
     allgather_async,
     allgather_object,
     allreduce_,
@@ -74,14 +77,14 @@ from .mpi_ops import (
     poll,
     synchronize,
 )
-from .optimizer import DistributedOptimizer
-from .params import (
+from ._hvd.optimizer import DistributedOptimizer
+from ._hvd.params import (
     broadcast_optimizer_state,
     broadcast_optimizer_state_async,
     broadcast_parameters,
     broadcast_parameters_async,
 )
-from .process_sets import (
+from ._hvd.process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
@@ -90,12 +93,9 @@ from .process_sets import (
     remove_process_set,
     setup_at_init,
 )
-from .reducer import quiesce_all, stop_workers
-from .step import TrainStep, TrainStepStatistics, train_step
-from .sync_batch_norm import SyncBatchNorm
-from .tracing import trace_module
+from ._hvd.sync_batch_norm import SyncBatchNorm
 
-Adasum = "adasum"  # hvd.allreduce(op=Adasum) and DistributedOptimizer(op=Adasum) (asynclock.adasum)
+Adasum = "adasum"  # hvd.allreduce(op=Adasum) and DistributedOptimizer(op=Adasum) (base.adasum)
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

@@ -16,10 +16,10 @@ def _alias() -> None:
     import horovod  # the real package: its runner helpers stay importable
 
     import asynclock.torch
-    import asynclock.torch.mpi_ops
+    import asynclock.torch._hvd.mpi_ops
 
     sys.modules["horovod.torch"] = asynclock.torch
-    sys.modules["horovod.torch.mpi_ops"] = asynclock.torch.mpi_ops
+    sys.modules["horovod.torch.mpi_ops"] = asynclock.torch._hvd.mpi_ops
     horovod.torch = asynclock.torch  # type: ignore[attr-defined]
 
 

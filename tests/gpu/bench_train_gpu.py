@@ -32,8 +32,8 @@ import torch
 
 import asynclock
 from asynclock import cuda
-from asynclock.runtime import Coordinator
-from asynclock.threadsafe import loop_caller
+from asynclock._core.base.from_thread import loop_caller
+from asynclock._core.runtime.coordinator import Coordinator
 
 BATCH, DIM_IN, HIDDEN, CLASSES = 256, 1024, 2048, 10
 

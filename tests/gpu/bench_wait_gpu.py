@@ -37,7 +37,7 @@ import torch
 from gpu_util import gpu_sleep
 
 from asynclock import cuda
-from asynclock.cuda.waiting import WaitPolicy
+from asynclock._core.device.waiting import WaitPolicy
 
 LENGTHS_MS = (0.05, 1.0, 10.0, 50.0)
 MODES = ("auto", "poll", "thread", "thread-spin", "block")

@@ -30,9 +30,10 @@ from _common import report  # noqa: E402
 from gpu_util import late_fill  # noqa: E402
 
 import asynclock  # noqa: E402
-from asynclock import cuda, staging  # noqa: E402
-from asynclock.runtime import Coordinator  # noqa: E402
-from asynclock.threadsafe import loop_caller  # noqa: E402
+from asynclock import cuda
+from asynclock._core.base.from_thread import loop_caller  # noqa: E402
+from asynclock._core.engine import staging  # noqa: E402
+from asynclock._core.runtime.coordinator import Coordinator  # noqa: E402
 
 SLOW_MS = 80.0
 

@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: mpijob
 from gpu_util import gpu_sleep, late_fill  # noqa: E402
 from mpijob import assert_all_ok, run_job  # noqa: E402
 
-from asynclock import cuda, staging  # noqa: E402
-from asynclock.backends.local import LocalBackend  # noqa: E402
-from asynclock.cuda.waiting import WaitPolicy  # noqa: E402
-from asynclock.runtime import Coordinator  # noqa: E402
+from asynclock import cuda
+from asynclock._core.device.waiting import WaitPolicy  # noqa: E402
+from asynclock._core.engine import staging  # noqa: E402
+from asynclock._core.runtime.coordinator import Coordinator  # noqa: E402
+from asynclock._core.transports.local import LocalBackend  # noqa: E402
 
 if os.environ.get("ASYNCLOCK_REQUIRE_GPU") == "1" and not torch.cuda.is_available():
     raise RuntimeError("ASYNCLOCK_REQUIRE_GPU=1 but torch sees no CUDA device: "

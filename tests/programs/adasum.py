@@ -60,7 +60,7 @@ def check_values(rank: int) -> None:
 
 def check_refused(rank: int, size: int) -> None:
     """Not a power of two (ours refuses on every rank, before any message), or ints."""
-    from asynclock.errors import InvalidInputError
+    from asynclock._core.base.errors import InvalidInputError
 
     try:
         hvd.allreduce(torch.ones(3), op=hvd.Adasum)
@@ -72,7 +72,7 @@ def check_refused(rank: int, size: int) -> None:
 
 
 def check_ints(rank: int) -> None:
-    from asynclock.errors import InvalidInputError
+    from asynclock._core.base.errors import InvalidInputError
 
     try:
         hvd.allreduce(torch.ones(3, dtype=torch.int64), op=hvd.Adasum)

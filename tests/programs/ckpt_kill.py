@@ -28,7 +28,7 @@ from ckpt_common import check_state, make_state
 from sync_common import run_or_abort
 
 import asynclock
-from asynclock import checkpoint
+from asynclock._tools import checkpoint
 
 SAVES = 300  # the kill always comes long before this
 

@@ -14,7 +14,7 @@ from _common import report
 from sync_common import run_or_abort, workdir
 
 import asynclock
-from asynclock.checkpoint import Checkpointer, CheckpointError, complete_sets, find_latest
+from asynclock._tools.checkpoint import Checkpointer, CheckpointError, complete_sets, find_latest
 
 
 def model_state(seed: int) -> dict[str, Any]:

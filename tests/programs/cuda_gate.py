@@ -16,12 +16,13 @@ import numpy as np
 from _common import report, run
 
 import asynclock
-from asynclock import cuda, staging
-from asynclock.collective_ops import AllreduceOp
-from asynclock.header import Call
-from asynclock.ops import Kind, ReduceOp
-from asynclock.runtime import Coordinator
-from asynclock.tensors import as_buffer
+from asynclock import cuda
+from asynclock._core.base.header import Call
+from asynclock._core.base.ops import Kind, ReduceOp
+from asynclock._core.base.tensors import as_buffer
+from asynclock._core.engine import staging
+from asynclock._core.engine.collective_ops import AllreduceOp
+from asynclock._core.runtime.coordinator import Coordinator
 
 
 class FlipEvent:
@@ -61,7 +62,7 @@ async def stage_fault(c: Coordinator) -> None:
     """Rank 0's CUDA copy fails (no CUDA here): everyone gets an error, then goes on."""
     import torch
 
-    from asynclock.errors import InvalidInputError, RemoteInputError
+    from asynclock._core.base.errors import InvalidInputError, RemoteInputError
 
     if c.rank == 0:
         host = torch.ones(64)

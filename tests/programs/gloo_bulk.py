@@ -1,4 +1,4 @@
-"""Bulk allreduces through asynclock's private gloo group (asynclock.backends.gloo_bulk).
+"""Bulk allreduces through asynclock's private gloo group (asynclock._core.transports.gloo_bulk).
 
     gloo_bulk.py EXPECT [--no-torch-on-rank0] [--trio]
 

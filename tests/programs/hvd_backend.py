@@ -37,7 +37,7 @@ from _common import report, run
 
 import asynclock
 from asynclock import BackendError
-from asynclock.ops import ReduceOp
+from asynclock._core.base.ops import ReduceOp
 
 
 def expect_backend_error(exc: BaseException | None, *needles: str) -> None:

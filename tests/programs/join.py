@@ -22,8 +22,8 @@ import torch
 from _common import report, run
 
 import asynclock
-from asynclock import runtime
-from asynclock.errors import JoinedError
+from asynclock._core.base.errors import JoinedError
+from asynclock._core.runtime import coordinator as runtime
 
 
 def steps_of(rank: int) -> int:

@@ -16,7 +16,7 @@ from _common import report
 from sync_common import homed, run_or_abort
 
 import asynclock
-from asynclock.sync._service import COLD_MAX_SLEEP_S
+from asynclock._core.sync._service import COLD_MAX_SLEEP_S
 
 HOME = 1
 

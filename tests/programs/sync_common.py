@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from asynclock.sync._wire import home_rank
+from asynclock._core.sync._wire import home_rank
 
 
 def homed(prefix: str, rank: int, size: int) -> str:

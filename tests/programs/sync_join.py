@@ -14,7 +14,7 @@ from _common import report
 from sync_common import run_or_abort
 
 import asynclock
-from asynclock.data import ShardSampler
+from asynclock._tools.data import ShardSampler
 
 
 def batches(rank: int, size: int, epoch: int) -> int:

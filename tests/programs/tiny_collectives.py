@@ -1,4 +1,4 @@
-"""The small-collective path (`asynclock.tiny`): same wire bytes as the general
+"""The small-collective path (`asynclock._core.engine.small_calls`): same wire bytes as the general
 path, hand-off to the engine when a rank is late, and what it caches.
 
 Every rank runs the same sequence; each check reports its label.
@@ -204,8 +204,8 @@ async def check_yields(c: asynclock.Coordinator) -> None:
 async def check_folds(c: asynclock.Coordinator) -> None:
     """Every (dtype, op) the C round folds, and ones it leaves to numpy, against numpy's
     rank-order fold of the gathered inputs: bit for bit, integer wrap-around included."""
-    from asynclock.fastpath import FOLDS
-    from asynclock.ops import NUMPY_OF_CODE, ReduceOp
+    from asynclock._core.base.ops import NUMPY_OF_CODE, ReduceOp
+    from asynclock._core.engine.fastpath import FOLDS
 
     rng = np.random.default_rng(100 + c.rank)
     ufunc = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,

@@ -27,10 +27,10 @@ from torch_common import (
 )
 
 import asynclock.torch as hvd
-from asynclock.errors import MismatchError
+from asynclock._core.base.errors import MismatchError
 from asynclock.torch import Tuning
-from asynclock.torch.buckets import Caps, build_plan
-from asynclock.torch.hooks import TOO_MANY
+from asynclock.torch._grad.buckets import Caps, build_plan
+from asynclock.torch._grad.hooks import TOO_MANY
 
 MiB = 1 << 20
 CAPS = {
@@ -440,8 +440,8 @@ def check_sparse_gradients() -> None:
 
 
 def shm_eligible() -> bool:
-    from asynclock import runtime
-    from asynclock.torch.shm import eligible
+    from asynclock._core.runtime import coordinator as runtime
+    from asynclock.torch._grad.shm import eligible
 
     coord = runtime.coordinator()
     return eligible(coord, coord.grad_lane) and os.environ.get("ASYNCLOCK_SHM", "1") != "0"

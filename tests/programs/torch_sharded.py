@@ -18,7 +18,7 @@ from _common import report
 from torch_common import assert_close, batch, flat, loss_fn, mlp, reference_grads, shard
 
 import asynclock.torch as hvd
-from asynclock.errors import JoinedError
+from asynclock._core.base.errors import JoinedError
 from asynclock.torch import Tuning
 
 MiB = 1 << 20

@@ -1,0 +1,211 @@
+"""The fixed-size header every checked collective exchanges first.
+
+Each rank contributes one slot of `SLOT_BYTES` to an allgather on the
+channel's header communicator: 16 int64 words that describe its call (kind,
+sequence number, op, dtype, shape, root, name, local input fault) followed by
+up to `INLINE_BYTES` of payload. Because the slot size never depends on the
+call, ranks that disagree still complete this step, see every rank's
+description, and raise the same `MismatchError`; no transport ever sees a
+mismatched buffer. Small payloads ride inline, so small collectives cost one
+round trip in total.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import zlib
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import JoinedError, MismatchError, RemoteInputError
+from .ops import DTYPE_NAMES, Kind, ReduceOp
+from .tensors import FAULT_TEXT, InputFault
+
+WORDS = 18
+HEADER_BYTES = WORDS * 8
+INLINE_BYTES = 128
+SLOT_BYTES = HEADER_BYTES + INLINE_BYTES
+SLOT_WORDS = SLOT_BYTES // 8
+MAGIC = 0x41534C4B0001  # "ASLK" + format version
+
+(W_MAGIC, W_SEQ, W_KIND, W_OP, W_DTYPE, W_ROOT, W_NAME, W_FAULT, W_NBYTES, W_DIM0,
+ W_NDIM, W_TAIL, W_D1, W_D2, W_D3, W_D4, W_LABEL, W_LABEL2) = range(WORDS)
+
+# W_ROOT flag of an allreduce or barrier that a joined rank cannot stand in for
+EVERY_RANK = 1
+STAND_IN = frozenset({Kind.ALLREDUCE, Kind.BARRIER})
+
+_COMMON = (W_MAGIC, W_SEQ, W_KIND, W_NAME)
+_MATCH: dict[Kind, tuple[int, ...]] = {
+    Kind.ALLREDUCE: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
+    Kind.BROADCAST: _COMMON + (W_DTYPE, W_ROOT, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLGATHER: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
+    Kind.REDUCE_SCATTER: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLTOALL: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
+    Kind.BARRIER: _COMMON,
+    Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
+    Kind.ALLGATHER_OBJECT: _COMMON,
+    Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
+    Kind.JOIN: _COMMON,  # W_OP: the rank's join mark (see `engine.join`)
+    Kind.FILLER: _COMMON,  # W_OP: `engine.matching` flags
+}
+
+
+class Call(NamedTuple):
+    """What one rank says it is doing; packed into its header slot.
+
+    A NamedTuple rather than a frozen dataclass: it is built on every call
+    and a tuple is several times cheaper to construct.
+    """
+
+    kind: Kind
+    seq: int
+    op: int = 0
+    dtype: int = 0
+    root: int = 0
+    name: str = ""
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    fault: int = 0
+
+
+_LAYOUT = struct.Struct(f"<{WORDS}q")
+
+
+def name_hash(name: str) -> int:
+    """Stable across processes (str.__hash__ is salted per process); never 0 for a
+    name, so W_NAME alone tells a named call from an unnamed one."""
+    return (zlib.crc32(name.encode()) | 1 << 32) if name else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_words(name: str) -> tuple[int, int, int]:
+    """crc32 plus the first 16 bytes of the name, so every rank can print every
+    rank's name; cached because training loops reuse a few names forever."""
+    raw = name.encode()[:16].ljust(16, b"\0")
+    return (name_hash(name), int.from_bytes(raw[:8], "little", signed=True),
+            int.from_bytes(raw[8:], "little", signed=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_words(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """dim0, ndim, hash of the trailing dims, and dims 1-4 (cached per shape)."""
+    dims = list(shape[1:5]) + [0] * (4 - len(shape[1:5]))
+    return (shape[0] if shape else 1, len(shape), hash(shape[1:]), *dims)
+
+
+def pack(call: Call, slot: Any) -> None:
+    """Write `call` into the first `WORDS` words of a send slot."""
+    crc, label1, label2 = _name_words(call.name)
+    _LAYOUT.pack_into(slot, 0, MAGIC, call.seq, int(call.kind), call.op, call.dtype, call.root,
+                      crc, call.fault, call.nbytes, *_shape_words(call.shape), label1, label2)
+
+
+def label(row: np.ndarray[Any, Any]) -> str:
+    """Decode the name label of one header row."""
+    raw = int(row[W_LABEL]).to_bytes(8, "little", signed=True)
+    raw += int(row[W_LABEL2]).to_bytes(8, "little", signed=True)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def agree(recv: np.ndarray[Any, Any], size: int) -> bool:
+    """Fast path: every rank's header words are byte-identical (one memcmp each)."""
+    raw = recv.tobytes()
+    first = raw[:HEADER_BYTES]
+    return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first for r in range(1, size))
+
+
+def joining(rows: np.ndarray[Any, Any]) -> bool:
+    """Some rank's header is a joined rank's stand-in round (`engine.join`)."""
+    return bool((rows[:, W_KIND] == int(Kind.JOIN)).any())
+
+
+def check(rows: np.ndarray[Any, Any], kind: Kind) -> tuple[int, ...]:
+    """Raise the same error on every rank unless all headers agree.
+
+    Returns the ranks that joined (`Kind.JOIN`) and stand in for this call,
+    usually none: the verdict depends on the rows alone, so every rank,
+    joined or not, reaches the same one.
+    """
+    faults = np.flatnonzero(rows[:, W_FAULT])
+    if faults.size:
+        raise RemoteInputError(_fault_text(rows, faults))
+    joined = rows[:, W_KIND] == int(Kind.JOIN)
+    if joined.any() and not joined.all():
+        return _stand_ins(rows, joined)
+    _compare(rows, rows, kind)
+    return ()
+
+
+def _compare(rows: np.ndarray[Any, Any], every: np.ndarray[Any, Any], kind: Kind) -> None:
+    """`rows` agree on what `kind` must match; the error text names `every` row."""
+    sub = rows[:, _MATCH[kind]]
+    if not (sub == sub[0]).all():
+        raise MismatchError(mismatch_text(every))
+
+
+def _stand_ins(rows: np.ndarray[Any, Any], joined: np.ndarray[Any, Any]) -> tuple[int, ...]:
+    """Some ranks joined: the rest agree among themselves, in step with the joined
+    ranks, on a call a joined rank can stand in for (identity data)."""
+    if (rows[:, W_MAGIC] != MAGIC).any() or (rows[:, W_SEQ] != rows[0, W_SEQ]).any():
+        raise MismatchError(mismatch_text(rows))
+    active = rows[~joined]
+    kind = Kind(int(active[0, W_KIND]))
+    _compare(active, rows, kind)
+    ranks = tuple(int(r) for r in np.flatnonzero(joined))
+    if kind in STAND_IN and not int(active[0, W_ROOT]) & EVERY_RANK:
+        return ranks
+    who = _ranks(list(ranks)) + (" has" if len(ranks) == 1 else " have")
+    why = ("it needs every rank's own data (a shared-memory gradient round)"
+           if kind in STAND_IN else "a joined rank stands in only for allreduce and barrier")
+    raise JoinedError(f"collective {describe_row(active[0])} cannot run while {who} joined: {why}")
+
+
+def _fault_text(rows: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any]) -> str:
+    """Name each rank that rejected its input and why."""
+    parts = [f"rank {r}: {FAULT_TEXT.get(InputFault(int(rows[r, W_FAULT])), 'invalid input')}"
+             for r in ranks]
+    first = rows[int(ranks[0])]
+    head = f"collective {describe_row(first)} rejected input on "  # "#4 allreduce(sum) ..."
+    return head + "; ".join(parts)
+
+
+def mismatch_text(rows: np.ndarray[Any, Any]) -> str:
+    """Group ranks by what they called; identical text on every rank."""
+    groups: dict[str, list[int]] = {}
+    for r in range(rows.shape[0]):
+        groups.setdefault(describe_row(rows[r]), []).append(r)
+    body = "; ".join(f"{_ranks(rs)}: {desc}" for desc, rs in groups.items())
+    return f"mismatched collective across ranks: {body}"
+
+
+_OP_CODES = frozenset(int(op) for op in ReduceOp)
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
+
+
+def describe_row(row: np.ndarray[Any, Any]) -> str:
+    """Human text of one header: `#3 allreduce(sum) float32[4, 3] name='w'`."""
+    if int(row[W_MAGIC]) != MAGIC:
+        return "<not an asynclock header>"
+    kind = Kind(int(row[W_KIND]))
+    text = f"#{int(row[W_SEQ])} {kind.name.lower()}"
+    if kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER):
+        op = int(row[W_OP])  # 0 in the header of a rank that rejected its op
+        text += f"({ReduceOp(op).name.lower() if op in _OP_CODES else '?'})"
+    if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
+        text += f"(root={int(row[W_ROOT])})"
+    if int(row[W_DTYPE]):
+        text += f" {DTYPE_NAMES[int(row[W_DTYPE])]}{_shape_text(row)}"
+    name = label(row)
+    return text + (f" name={name!r}" if name else "")
+
+
+def _shape_text(row: np.ndarray[Any, Any]) -> str:
+    ndim = int(row[W_NDIM])
+    dims = [int(row[W_DIM0])] + [int(d) for d in row[W_D1:W_D1 + min(ndim - 1, 4)]]
+    return str(dims[:ndim]) if ndim <= 5 else str(dims)[:-1] + ", ...]"

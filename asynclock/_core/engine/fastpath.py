@@ -1,0 +1,159 @@
+"""The optional C header round (`asynclock/_core/engine/_fastpath.c`): build it, find it, load it.
+
+One build per MPI library (MPICH and Open MPI differ in ABI), named by a
+checksum of `MPI.Get_library_version()` and compiled with that MPI's own
+wrapper (`mpicc`), so it links the libmpi mpi4py loads. Setup builds it
+(`mpi/build_fastpath.py` for every MPI present); where no compiler or
+headers exist the pure Python path runs, with the same bytes on the wire.
+`ASYNCLOCK_FASTPATH=0` turns it off (tests run both ways).
+
+Run as `python -m engine.fastpath` to build for the MPI mpi4py loads now.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..base.header import HEADER_BYTES, SLOT_BYTES
+from ..base.ops import DTYPE_CODES, ReduceOp
+
+log = logging.getLogger("asynclock")
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "_fastpath.c"
+
+
+def library_tag() -> str:
+    """Which MPI library this process uses (mpi4py loads it on import)."""
+    from mpi4py import MPI
+
+    return f"{zlib.crc32(MPI.Get_library_version().encode()):08x}"
+
+
+def built_path(tag: str | None = None) -> Path:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return HERE / f"_fastpath_{tag or library_tag()}{suffix}"
+
+
+def load() -> ModuleType | None:
+    """The extension built for this MPI and this source, or None (Python path)."""
+    if os.environ.get("ASYNCLOCK_FASTPATH", "1") == "0":
+        return None
+    path = built_path()
+    if not path.exists() or path.stat().st_mtime < SOURCE.stat().st_mtime:
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("asynclock._fastpath", str(path))
+    spec = importlib.util.spec_from_file_location("asynclock._fastpath", path, loader=loader)
+    if spec is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+# the C enum: exchange() results, and folds by (dtype code, op); others fold in numpy
+DONE_FOLDED, DIFFERENT, IN_FLIGHT, DONE = 0, 1, 2, 3
+_F32, _F64, _I32, _I64 = (DTYPE_CODES[n] for n in ("float32", "float64", "int32", "int64"))
+FOLDS: dict[tuple[int, ReduceOp], int] = {
+    (_F32, ReduceOp.SUM): 1, (_F64, ReduceOp.SUM): 2, (_I32, ReduceOp.SUM): 3,
+    (_I64, ReduceOp.SUM): 4, (_F32, ReduceOp.PRODUCT): 5, (_F64, ReduceOp.PRODUCT): 6,
+    (_I32, ReduceOp.PRODUCT): 7, (_I64, ReduceOp.PRODUCT): 8, (_I32, ReduceOp.MIN): 9,
+    (_I64, ReduceOp.MIN): 10, (_I32, ReduceOp.MAX): 11, (_I64, ReduceOp.MAX): 12,
+}
+_MODULE: list[ModuleType | None] = []  # loaded once per process
+
+
+def round_for(transport: Any, send: Any, recv: Any) -> Any:
+    """A C round on the transport's MPI header communicator, or None (Python path)."""
+    comm = getattr(transport, "hdr", None)
+    if comm is None:
+        comm = getattr(getattr(transport, "mpi", None), "hdr", None)
+    if comm is None:
+        return None
+    if not _MODULE:
+        _MODULE.append(_load_quietly())
+    module = _MODULE[0]
+    if module is None:
+        return None
+    from mpi4py import MPI
+
+    return module.Round(MPI._addressof(comm), send.ctypes.data, recv.ctypes.data, SLOT_BYTES,
+                        HEADER_BYTES, transport.size)
+
+
+def _load_quietly() -> ModuleType | None:
+    try:
+        return load()
+    except (ImportError, OSError) as exc:  # built for another interpreter or MPI
+        log.warning("asynclock: C small-message path not loaded (%s); using Python", exc)
+        return None
+
+
+def take_request(rnd: Any) -> Any:
+    """The C round's request in flight, as an mpi4py Request the engine can own."""
+    from mpi4py import MPI
+
+    req = MPI.Request()
+    rnd.give(MPI._addressof(req))
+    return req
+
+
+def finished_request() -> Any:
+    """A request that tests complete (MPI_REQUEST_NULL): a round the C code finished."""
+    from mpi4py import MPI
+
+    return MPI.Request()
+
+
+def compiler() -> str | None:
+    """The wrapper of the MPI mpi4py loads: MPICH's in this venv, else Open MPI's."""
+    from mpi4py import MPI
+
+    names = ["mpicc.openmpi", "mpicc"] if "Open MPI" in MPI.Get_library_version() else [
+        str(Path(sys.prefix) / "bin" / "mpicc"), "mpicc.mpich", "mpicc"]
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def build() -> Path:
+    """Compile for the MPI this process uses; raises with the compiler's output."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no mpicc for this MPI: the Python small-message path stays")
+    out = built_path()
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", f"-I{sysconfig.get_paths()['include']}",
+           str(SOURCE), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")
+    tmp.replace(out)  # atomic: a running rank never loads a half-written file
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path = build()
+    except RuntimeError as exc:
+        print(f"fastpath: not built: {exc}", file=sys.stderr)
+        return 1
+    module: Any = load()
+    print(f"fastpath: built {path.name}" + ("" if module else " (but it does not load)"))
+    return 0 if module else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The state machine every checked collective runs through.
+
+HEADER: the header allgather is in flight (issued in the caller's order).
+READY: headers agreed; the next data stage waits for its turn in the
+channel's FIFO, so data-stage order is the header order on every rank.
+DATA: a data-stage request is in flight. DONE: result or error is set.
+
+An operation belongs to the engine once started: cancelling the task that
+awaits it only detaches the waiter, and the operation still runs every
+stage the other ranks expect. That is what keeps ranks in step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import anyio
+import numpy as np
+
+from ..base.errors import AsynclockError, BackendError
+from ..base.header import HEADER_BYTES, SLOT_WORDS, WORDS, Call, agree, check, joining, pack
+from ..transports.base import Channel, DataTransport, Request
+from .policy import ProgressPolicy
+
+Stage = Callable[[DataTransport], Request]  # called with the transport to use
+
+
+class State(enum.Enum):
+    HEADER = 1
+    READY = 2
+    DATA = 3
+    DONE = 4
+
+
+class MatchTable(Protocol):
+    """A lane's table of calls waiting to be matched by name (`matching.Matcher`)."""
+
+    def settle(self) -> None: ...
+
+    def filler_due(self) -> bool: ...
+
+    def stuck(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def missing_for(self, op: Operation) -> tuple[int, ...] | None: ...
+
+
+class LaneHost(Protocol):
+    """The engine serving a lane: its filler rounds and its matching table."""
+
+    @property
+    def policy(self) -> ProgressPolicy: ...
+
+    def want_filler(self, lane: Lane, delay: float) -> None: ...
+
+    def matcher_for(self, lane: Lane) -> MatchTable: ...
+
+
+class Lane:
+    """A channel plus its sequence counter and data-stage FIFO.
+
+    A positional lane pairs the n-th call of every rank, and any disagreement
+    is that call's error. A lane `by_name` (the user's collectives, process
+    sets) pairs the same way while the ranks agree, and once they do not,
+    matches named calls by name and unnamed calls by their count of unnamed
+    calls (`engine.matching`), as Horovod does: a call only some ranks
+    issued waits for the others instead of shifting every later call.
+    """
+
+    def __init__(self, transport: Channel, by_name: bool = False) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.by_name = by_name
+        self.seq = 0  # W_SEQ: every call here, or the unnamed calls on a lane by name
+        self.rounds = 0  # header rounds issued on this rank: a round's index is its slot
+        self.matcher: MatchTable | None = None  # set while a call waits to be matched
+        self.host: LaneHost | None = None  # the engine serving the lane
+        self.names: dict[str, Operation] = {}  # named calls in flight
+        self.uncollected: Operation | None = None  # the last named call finished, not taken
+        self.queue: deque[Operation] = deque()
+        self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
+        self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
+
+    def note_latency(self, seconds: float) -> float | None:
+        """Record a small op's issue-to-done time; every 4th call returns the median
+        of the recent ones (else None), so the caller re-derives its spin rarely."""
+        self.recent.append(seconds)
+        n = len(self.recent)
+        return sorted(self.recent)[n // 2] if n >= 4 and n % 4 == 0 else None
+
+    def next_seq(self, name: str = "") -> int:
+        """The W_SEQ of the next call. A named call on a lane by name carries the
+        next count without taking it: only unnamed calls advance it there."""
+        if name and self.by_name:
+            return self.seq + 1
+        self.seq += 1
+        return self.seq
+
+    def claim(self, name: str) -> None:
+        """Refuse a name that a call of this rank still holds, before anything is
+        sent: in flight, or finished but neither collected nor followed by another
+        round (whether it finished would otherwise be a race)."""
+        held = self.names.get(name)
+        if held is None:
+            held = self.uncollected
+            if held is None or held.call.name != name or held.collected \
+                    or held.slot != self.rounds:
+                return
+        raise ValueError(f"a collective named {name!r} is already in flight on "
+                         f"{self.transport.name}: {held.describe()}")
+
+    def pump(self, issue: Callable[[Operation], None]) -> None:
+        """Issue data stages strictly in header order; stop at the first not ready."""
+        q = self.queue
+        while q:
+            op = q[0]
+            if op.state is State.READY:
+                issue(op)
+            if op.state is State.DONE or (op.state is State.DATA and not op.stages):
+                q.popleft()
+                continue
+            return
+
+
+class Operation:
+    """Base of all collectives; subclasses supply payload, plan and result."""
+
+    threaded_min_bytes = 0  # set by the engine's policy
+    # Nobody waits on it with a free core to burn: no spin, no tight polling (the
+    # shared-memory round's check, issued while backward still computes).
+    patient = False
+    __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
+                 "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
+                 "awaiting_hint", "slot", "arrived", "collected", "_recv")
+
+    def __init__(self, lane: Lane, call: Call) -> None:
+        self.lane = lane
+        self.call = call
+        self.state = State.HEADER
+        self.request: Request | None = None
+        self.stages: deque[Stage] = deque()
+        self.stage_bytes = 0
+        self.threaded = False
+        self.thread_done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiter: anyio.Event | None = None
+        self.issued_at = 0.0
+        self.detached = False
+        self.joined: tuple[int, ...] = ()  # ranks that stand in (engine.join)
+        # True while only a sign from outside MPI (`Engine.hint`) says the peers have
+        # issued it: the poller then sleeps long instead of testing every millisecond.
+        self.awaiting_hint = False
+        self.slot = 0  # the lane's round index of this op's header round
+        self.arrived = False  # header round complete, waiting for the matcher
+        self.collected = False  # someone took the outcome (frees the name)
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        """Issue the header round; must run in the caller's order."""
+        lane = self.lane
+        send = np.zeros(SLOT_WORDS, np.int64)
+        pack(self.call, send)
+        self.fill_inline(send.view(np.uint8)[HEADER_BYTES:])
+        self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
+        self.request = lane.transport.iallgather_slots(send, self._recv)
+        self._enter(lane)
+
+    def _enter(self, lane: Lane) -> None:
+        """This op's round is the lane's newest: take its slot and FIFO place."""
+        lane.rounds += 1
+        self.slot = lane.rounds
+        if self.call.name and lane.by_name:
+            lane.names[self.call.name] = self
+        lane.queue.append(self)
+
+    def resume_header(self, request: Request, recv: np.ndarray[Any, Any]) -> None:
+        """Own a header round that `engine.small_calls` started (and counted) from its
+        own buffers."""
+        self.request, self._recv = request, recv
+        lane = self.lane
+        lane.rounds -= 1  # `_enter` counts it again
+        self._enter(lane)
+
+    def resume_data(self, request: Request) -> None:
+        """Own a data stage that `engine.small_calls` issued after the headers agreed
+        (nothing earlier on the lane was waiting, so it is not queued)."""
+        self.request, self.state = request, State.DATA
+
+    def poll(self) -> bool:
+        """Test the outstanding request; advance and return True if it finished."""
+        req = self.request
+        if req is None:
+            return False
+        if self.threaded:
+            if not self.thread_done:
+                return False
+            if self.error is not None:  # the wait thread's transport error
+                self.request, self.threaded = None, False
+                self.stages.clear()
+                self._done()
+                return True
+        elif not req.Test():
+            return False
+        self.request = None
+        self.threaded = self.thread_done = False
+        self._advance()
+        return True
+
+    def _advance(self) -> None:
+        if self.state is State.HEADER:
+            self._on_header()
+        elif self.stages:
+            self.state = State.READY
+        else:
+            self._finish(self.finish)
+
+    def _on_header(self) -> None:
+        lane = self.lane
+        rows = self._recv.reshape(lane.size, SLOT_WORDS)
+        if lane.matcher is not None or not agree(self._recv, lane.size):
+            if lane.by_name and (lane.matcher is not None or not joining(rows)):
+                self.arrived = True
+                if lane.host is None:
+                    raise RuntimeError(f"lane {lane.transport.name} matches by name but "
+                                       "has no engine")
+                lane.host.matcher_for(lane).settle()
+                return
+            try:
+                self.joined = check(rows[:, :WORDS], self.call.kind)
+            except AsynclockError as exc:
+                self.fail(exc)
+                return
+        self.on_rows(rows)
+
+    def on_rows(self, rows: np.ndarray[Any, Any]) -> None:
+        """Every rank's slot for this op agreed: plan its data stages, or finish."""
+        payload = rows.view(np.uint8)[:, HEADER_BYTES:]
+        try:
+            stages = self.plan(rows, payload)
+        except Exception as exc:  # local arithmetic failed: this op's error
+            self.fail(exc)
+            return
+        if stages:
+            self.stages.extend(stages)
+            self.state = State.READY
+        else:
+            self._finish(self.finish)
+
+    def issue_next(self, transport: DataTransport) -> Request | None:
+        """Start the next data stage (called by the lane pump in FIFO order)."""
+        stage = self.stages.popleft()
+        self.state = State.DATA
+        try:
+            self.request = stage(transport)
+        except Exception as exc:  # a transport refusing to start is fatal for the op
+            self.stages.clear()
+            self.fail(BackendError(f"{self.describe()}: {exc}"))
+        return self.request
+
+    def _finish(self, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except Exception as exc:
+            self.fail(exc)
+        else:
+            self.complete(value)
+
+    def complete(self, value: Any) -> None:
+        self.result = value
+        self._done()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._done()
+
+    def _done(self) -> None:
+        self.state = State.DONE
+        name = self.call.name
+        if name and self.lane.names.get(name) is self:
+            del self.lane.names[name]
+            if not self.collected:
+                self.lane.uncollected = self
+        if self.waiter is not None:
+            self.waiter.set()
+
+    @property
+    def done(self) -> bool:
+        return self.state is State.DONE
+
+    def outcome(self) -> Any:
+        """The result, or raise the op's error (a fresh raise on every call)."""
+        self.collected = True
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def describe(self) -> str:
+        c = self.call
+        return f"{c.kind.name.lower()} #{c.seq} on {self.lane.transport.name}" + (
+            f" name={c.name!r}" if c.name else "")
+
+    # -- subclass hooks ------------------------------------------------------
+    def fill_inline(self, slot: np.ndarray[Any, Any]) -> None:
+        """Copy a small payload into the header slot (default: none)."""
+
+    def plan(self, rows: np.ndarray[Any, Any], payload: np.ndarray[Any, Any]) -> list[Stage]:
+        """Headers agreed: finish from inline payloads, or return data stages."""
+        return []
+
+    def finish(self) -> Any:
+        """Produce the result once every stage completed."""
+        return None

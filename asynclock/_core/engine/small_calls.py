@@ -1,0 +1,455 @@
+"""Small collectives without an Operation: the same wire protocol, fewer steps.
+
+An allreduce or broadcast of at most `INLINE_BYTES`, and every barrier,
+already costs one round trip: the data rides in the header slot
+(`AllreduceOp`, `BroadcastOp`, `BarrierOp`). What was left was Python: a
+`Call`, 18 packed words, an `Operation`, a `Handle`, fresh views of the
+received slots... 40-50 us a call against MPI's 3 us (`bench/collectives.py`,
+4 B).
+
+This path keeps, per call signature (kind, dtype, shape, op or root, name),
+the header bytes with only the sequence number left to patch and the
+finishing step (fold or copy) bound to views of reused receive slots. It
+issues the header allgather from reused buffers and tests it for the
+engine's spin time. On the wire it is the general path's exact bytes, so
+ranks on either path agree, and a mismatch raises the same error on all.
+
+If the round has not finished when the spin ends, the request and its
+buffers are handed to the general path's operation in the engine (the next
+call gets fresh buffers), so awaiting, cancellation, stall reports and
+failure handling are the general path's. Anything unusual (timeline
+recording, a held CUDA staging gate, a failed engine, bfloat16, big or odd
+inputs) takes the general path from the start.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..base.errors import BackendError
+from ..base.header import (
+    HEADER_BYTES,
+    INLINE_BYTES,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    WORDS,
+    Call,
+    check,
+    joining,
+    pack,
+)
+from ..base.ops import (
+    BFLOAT16,
+    DTYPE_CODES,
+    HALF_CODES,
+    NUMPY_OF_CODE,
+    Kind,
+    ReduceOp,
+    as_reduce_op,
+)
+from ..base.reduce import HALF, finish_average_inplace, fold
+from ..base.tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wrapper
+from . import fastpath, staging
+from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
+from .handle import Handle
+from .operation import Lane, Operation
+from .progress import Engine
+
+Array = np.ndarray[Any, Any]
+
+NOT_TINY: Any = object()  # "take the general path": nothing was issued
+FOLDED: Any = object()  # the C round folded the result into `out` already
+# Every 64th call yields to the loop once it finished (`collectives._yield_then`).
+YIELD_MASK = 63
+_MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cache forever
+
+
+@dataclass(frozen=True, slots=True)
+class TinyStatistics:
+    """Calls that came this way, and rounds handed to the engine: header rounds
+    (a late rank) and data stages (a slow transfer; also counted in handed_off)."""
+
+    calls: int
+    handed_off: int
+    data_handed_off: int
+
+
+class Signature(NamedTuple):
+    """What every call with this kind, dtype, shape, op or root and name shares."""
+
+    call: Call  # seq 0; the real one is patched in
+    header: bytes  # the packed header words of `call`
+    end: int  # HEADER_BYTES + the bytes this rank sends inline
+    code: int
+    finish: Callable[[Array], None]  # the result into `out`, from the received slots
+    make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
+    op: ReduceOp | None = None  # set for an allreduce whose data follows the header
+    fold: int = 0  # the C round's fold of the inline rows (`fastpath.FOLDS`); 0: `finish`
+    bump: int = 1  # 0: a named call on a lane by name does not advance W_SEQ (`Lane.next_seq`)
+
+
+class TinyCollectives:
+    """One lane's fast path; used only from the loop thread, like the engine."""
+
+    def __init__(self, engine: Engine, lane: Lane) -> None:
+        self._engine, self._lane, self._size = engine, lane, lane.size
+        self._pair = lane.size == 2
+        self._signatures: dict[tuple[Any, ...], Signature | None] = {}
+        self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
+        self.handed_off = self.data_handed_off = 0
+        self._seq, self._issued_at = 0, 0.0  # of the round in flight
+        self._last = LastTensor(None, (np.empty(0), 0, ()))
+        self._gates = staging.held_lanes()
+        self._new_buffers()
+
+    def _new_buffers(self) -> None:
+        """Fresh slots: the old ones now belong to an operation in flight."""
+        self._send = np.zeros(SLOT_WORDS, np.int64)
+        self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
+        self._send_bytes = self._send.view(np.uint8).data
+        transport = self._lane.transport  # MPI: the communicator's own Iallgather
+        self._start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
+        self._round = fastpath.round_for(transport, self._send, self._recv)  # None: Python
+        self._signatures.clear()  # finishing steps are bound to the old receive slots
+
+    def statistics(self) -> TinyStatistics:
+        return TinyStatistics(self.calls, self.handed_off, self.data_handed_off)
+
+    # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
+    def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
+        if name:
+            self._lane.claim(name)
+        view = self._view(obj, inplace)
+        if view is None:
+            return NOT_TINY
+        a, code, shape = view
+        key = (Kind.ALLREDUCE, code, shape, op, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
+        if sig is None:
+            return NOT_TINY
+        if sig.op is not None:
+            return self._allreduce_staged(sig, sig.op, obj, a, shape, inplace)
+        out = a if inplace else np.empty(shape, a.dtype)
+        req = self._exchange(sig, a, out)
+        return self._result(sig, obj, a, shape, out, inplace, req)
+
+    def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
+                          inplace: bool) -> Any:
+        """Too big to ride inline: the header round, then the data allreduce, both
+        from this call. Only while nothing earlier on this lane still waits to
+        issue its data stage: data stages go out in header order on every rank."""
+        if self._lane.queue:
+            return NOT_TINY
+        req = self._exchange(sig, None, whole=False)
+        if req is not None:
+            return self._hand_off(sig, req, obj, a, shape, inplace)
+        out = a if inplace else np.empty(a.size, a.dtype)
+        try:
+            data = self._lane.transport.iallreduce(None if inplace else a, out, op)
+        except Exception as exc:  # as `Operation.issue_next` reports it
+            raise BackendError(f"allreduce #{self._seq} on {self._lane.transport.name}: "
+                               f"{exc}") from exc
+        deadline = self._issued_at + self._engine.spin_for(self._lane)
+        while not data.Test():
+            if time.perf_counter() >= deadline:
+                return self._hand_off_data(sig, data, obj, a, out, shape)
+        self._engine.note_latency(self._lane, time.perf_counter() - self._issued_at)
+        if op is ReduceOp.AVERAGE:
+            finish_average_inplace(out, sig.code, self._size)
+        return obj if inplace else _wrap(obj, sig.code)(out.reshape(shape))
+
+    def broadcast(self, obj: Any, root: int, name: str | None, inplace: bool) -> Any:
+        if name:
+            self._lane.claim(name)
+        if not 0 <= root < self._size:
+            return NOT_TINY  # the general path names the bad root on every rank
+        view = self._view(obj, inplace)
+        if view is None:
+            return NOT_TINY
+        a, code, shape = view
+        key = (Kind.BROADCAST, code, shape, root, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._broadcast_signature(a, code, shape, root, name))
+        if sig is None:
+            return NOT_TINY
+        req = self._exchange(sig, a if self._lane.rank == root else None)
+        out = a if inplace else np.empty(shape, a.dtype)
+        return self._result(sig, obj, a, shape, out, inplace, req)
+
+    def barrier(self, name: str | None) -> Any:
+        if name:
+            self._lane.claim(name)
+        if not self._engine_ready():
+            return NOT_TINY
+        key = (Kind.BARRIER, name)
+        sig = self._signatures.get(key, NOT_TINY)
+        if sig is NOT_TINY:
+            sig = self._remember(key, self._signature(Call(Kind.BARRIER, 0, name=name or ""),
+                                                      0, 0, _nothing, _barrier_op(self._lane)))
+        req = self._exchange(sig, None)
+        return None if req is None else self._hand_off(sig, req, None, np.empty(0), (), False)
+
+    # -- the shared steps ---------------------------------------------------------
+    def _engine_ready(self) -> bool:
+        engine = self._engine
+        return (engine.on_event is None and engine.failure is None and self._lane.matcher is None
+                and self._lane not in self._gates)
+
+    def _view(self, obj: Any, inplace: bool) -> tuple[Array, int, Any] | None:
+        """The input's flat numpy view, dtype code and shape; None: general path."""
+        engine = self._engine  # `_engine_ready`, inlined
+        if engine.on_event is not None or engine.failure is not None or self._lane in self._gates \
+                or self._lane.matcher is not None:
+            return None
+        last = self._last
+        if (obj is last.tensor and obj.data_ptr() == last.ptr and obj.dtype is last.dtype
+                and obj.is_cpu and obj.shape == last.view[2] and obj.is_contiguous()):
+            return last.view  # the same memory: see LastTensor
+        view = _view(obj, inplace)
+        if view is not None and type(obj) is not np.ndarray and view[0].nbytes <= INLINE_BYTES:
+            self._last = LastTensor(obj, view)
+        return view
+
+    def _exchange(self, sig: Signature, data: Array | None, out: Array | None = None,
+                  whole: bool = True) -> Any:
+        """Issue the header round and spin: None once it completed and every rank
+        agreed (else the general path's error is raised), FOLDED when the C round
+        also folded the inline rows into `out`, or the request: still in flight,
+        or finished with joined ranks standing in. Kept flat: each Python call
+        costs ~0.15 us here. `whole`: the round is the whole op (its time teaches
+        the lane's spin); a staged allreduce reports its time after the data."""
+        rnd, lane = self._round, self._lane
+        taught = lane if whole else None
+        if rnd is None:
+            return self._exchange_python(sig, b"" if data is None else data.tobytes(), taught)
+        seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
+        lane.seq += sig.bump
+        lane.rounds += 1
+        issued_at = self._issued_at = time.perf_counter()
+        state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
+                             sig.fold if out is not None else 0, out)
+        if state == fastpath.DONE_FOLDED:
+            self._engine.count_synchronous(issued_at, taught)
+            return FOLDED
+        if state == fastpath.IN_FLIGHT:
+            return fastpath.take_request(rnd)
+        if state == fastpath.DIFFERENT and self._check(sig):
+            return fastpath.finished_request()  # a rank joined: the general path folds
+        self._engine.count_synchronous(issued_at, taught)
+        return None
+
+    def _exchange_python(self, sig: Signature, payload: bytes, taught: Lane | None) -> Any:
+        """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
+        lane, send_bytes = self._lane, self._send_bytes
+        send_bytes[:HEADER_BYTES] = sig.header
+        seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
+        lane.seq += sig.bump
+        lane.rounds += 1
+        self._send[1] = seq  # W_SEQ
+        send_bytes[HEADER_BYTES:sig.end] = payload
+        issued_at = self._issued_at = time.perf_counter()
+        req = self._start(self._send, self._recv)
+        deadline = issued_at + self._engine.spin_for(self._lane)
+        while not req.Test():
+            if time.perf_counter() >= deadline:
+                return req
+        if self._pair:  # the common case, inlined: ranks 0 and 1 sent the same header
+            raw = self._recv.tobytes()
+            if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES] and \
+                    self._check(sig):
+                return req  # finished, but a rank joined: the general path folds it
+        elif self._size > 2 and not self._agree() and self._check(sig):
+            return req
+        self._engine.count_synchronous(issued_at, taught)
+        return None
+
+    def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,
+                inplace: bool, req: Any) -> Any:
+        """Finish into the caller's object (in place) or `out`, wrapped in its type."""
+        if req is FOLDED:
+            return obj if inplace else _wrap(obj, sig.code)(out)
+        if req is not None:
+            return self._hand_off(sig, req, obj, a, shape, inplace)
+        if inplace:
+            sig.finish(a)
+            return obj
+        sig.finish(out.reshape(-1))
+        return _wrap(obj, sig.code)(out)
+
+    def _agree(self) -> bool:
+        """Every rank's header bytes equal ours (the general path's `agree`)."""
+        raw = self._recv.tobytes()
+        first = raw[:HEADER_BYTES]
+        return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
+                   for r in range(1, self._size))
+
+    def _check(self, sig: Signature) -> bool | tuple[int, ...]:
+        """Headers differ: on a lane by name, hand the round to the general path,
+        which matches it (`engine.matching`); else raise the general path's
+        error (same text on every rank), or name the ranks that joined and stand
+        in (`engine.join`)."""
+        rows = self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS]
+        if self._lane.by_name and not joining(rows):
+            return True
+        return check(rows, sig.call.kind)
+
+    # -- slow edges ---------------------------------------------------------------
+    def _remember(self, key: tuple[Any, ...], sig: Signature | None) -> Signature | None:
+        if len(self._signatures) >= _MAX_SIGNATURES:
+            self._signatures.clear()
+        self._signatures[key] = sig
+        return sig
+
+    def _allreduce_signature(self, a: Array, code: int, shape: Any, op: Any,
+                             name: str | None) -> Signature | None:
+        """None: not for this path (a bulk size, a 16-bit float, or an op the general
+        path rejects); above INLINE_BYTES the data follows in its own allreduce."""
+        staged = a.nbytes > INLINE_BYTES
+        if code == BFLOAT16 or (staged and (code in HALF_CODES
+                                            or a.nbytes >= self._engine.policy.thread_min_bytes)):
+            return None
+        try:
+            rop = as_reduce_op(op)
+        except ValueError:
+            return None  # the general path announces the fault and raises
+        call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(shape),
+                    nbytes=a.nbytes, name=name or "")
+        lane = self._lane
+
+        def make(c: Call, b: Buffer | None, o: Array | None) -> Operation:
+            return AllreduceOp(lane, c, b, o, rop)  # type: ignore[arg-type]
+
+        if staged:
+            return self._signature(call, 0, code, _nothing, make)._replace(op=rop)
+        sig = self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
+        return sig._replace(fold=fastpath.FOLDS.get((code, rop), 0))
+
+    def _broadcast_signature(self, a: Array, code: int, shape: Any, root: int,
+                             name: str | None) -> Signature | None:
+        if a.nbytes > INLINE_BYTES or code == BFLOAT16:
+            return None
+        call = Call(Kind.BROADCAST, 0, dtype=code, root=root, shape=tuple(shape),
+                    nbytes=a.nbytes, name=name or "")
+        row = self._rows(code, a.size)[root]
+        lane = self._lane
+        return self._signature(call, a.nbytes if lane.rank == root else 0, code,
+                               lambda out: np.copyto(out, row),
+                               lambda c, b, o: BroadcastOp(lane, c, b, o, root))  # type: ignore[arg-type]
+
+    def _signature(self, call: Call, inline: int, code: int, finish: Callable[[Array], None],
+                   make: Callable[[Call, Buffer | None, Array | None], Operation]) -> Signature:
+        header = np.zeros(WORDS, np.int64)
+        pack(call, header)
+        bump = 0 if call.name and self._lane.by_name else 1
+        return Signature(call, header.tobytes(), HEADER_BYTES + inline, code, finish, make,
+                         bump=bump)
+
+    def _rows(self, code: int, n: int) -> Array:
+        """Each rank's inline payload in the receive slots, as `n` elements of `code`."""
+        payload = self._recv.view(np.uint8).reshape(self._size, SLOT_BYTES)[:, HEADER_BYTES:]
+        return payload[:, : n * NUMPY_OF_CODE[code].itemsize].view(NUMPY_OF_CODE[code])
+
+    def _fold(self, code: int, op: ReduceOp, n: int) -> Callable[[Array], None]:
+        """The reduction of the received payloads, rank order, bound to the slots."""
+        rows, size = self._rows(code, n), self._size
+        if size == 2 and op is not ReduceOp.AVERAGE and code not in HALF:
+            ufunc, first, second = _BINARY[op], rows[0], rows[1]
+            return lambda out: ufunc(first, second, out=out)  # = reduce(axis=0) at 2 rows
+        return lambda out: fold(rows, code, op, size, out)
+
+    def _hand_off(self, sig: Signature, req: Any, obj: Any, flat: Array, shape: Any,
+                  inplace: bool) -> Handle:
+        """The round is slow (a late rank): let the engine own it from here."""
+        call = sig.call._replace(seq=self._seq)
+        if obj is None:
+            op = sig.make(call, None, None)
+        else:
+            buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
+            op = sig.make(call, buf, flat if inplace else np.empty(flat.size, flat.dtype))
+        op.resume_header(req, self._recv)
+        self._new_buffers()
+        self.handed_off += 1
+        self._engine.adopt_issued(op, self._issued_at)
+        return Handle(self._engine, op)
+
+    def _hand_off_data(self, sig: Signature, req: Any, obj: Any, flat: Array, out: Array,
+                       shape: Any) -> Handle:
+        """Headers agreed, the data allreduce is slow: the engine finishes it."""
+        buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
+        op = sig.make(sig.call._replace(seq=self._seq), buf, out)
+        op.resume_data(req)
+        self.handed_off += 1
+        self.data_handed_off += 1
+        self._engine.adopt_issued(op, self._issued_at)
+        return Handle(self._engine, op)
+
+
+def _nothing(out: Array) -> None:
+    """The finishing step of calls whose result is not in the header slots."""
+    return None
+
+
+def _barrier_op(lane: Lane) -> Callable[[Call, Buffer | None, Array | None], Operation]:
+    return lambda c, b, o: BarrierOp(lane, c)
+
+
+class LastTensor:
+    """The last small tensor seen and its numpy view: `tensor.numpy()` plus its
+    checks are a third of this path's cost, and loops pass the same tensor.
+
+    The view is reused only while the tensor's memory is provably the same
+    (checked in `TinyCollectives._view`, inline on the hot path): data pointer,
+    shape, dtype, contiguity and device (`set_`, `.data =`,
+    `resize_` and in-place transposes all change one of them). Only tensors
+    that took this path (<= INLINE_BYTES) are held, so nothing big is kept alive.
+    """
+
+    __slots__ = ("tensor", "view", "ptr", "dtype")
+
+    def __init__(self, tensor: Any, view: tuple[Array, int, Any]) -> None:
+        self.tensor, self.view = tensor, view
+        self.ptr = tensor.data_ptr() if tensor is not None else 0
+        self.dtype = tensor.dtype if tensor is not None else None
+
+
+_BINARY = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+           ReduceOp.PRODUCT: np.multiply}
+
+
+def _view(obj: Any, inplace: bool) -> tuple[Array, Any, Any] | None:
+    """(flat numpy view, dtype code, shape) of a plain CPU tensor or array, else None."""
+    if type(obj) is np.ndarray:
+        if not obj.flags.c_contiguous or (inplace and not obj.flags.writeable):
+            return None
+        code = DTYPE_CODES.get(_NUMPY_CODES.get(obj.dtype, ""), 0)
+        return (obj.reshape(-1), code, obj.shape) if code else None
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not torch.Tensor:
+        return None
+    if not obj.is_cpu or not obj.is_contiguous():
+        return None
+    code = _TORCH_CODES.get(obj.dtype) or _torch_code(obj.dtype)
+    if not code or code == BFLOAT16:
+        return None
+    a = obj.detach().numpy() if obj.requires_grad else obj.numpy()
+    return a.reshape(-1), code, obj.shape
+
+
+def _wrap(obj: Any, code: int) -> Callable[[Array], Any]:
+    """How a new result is returned in the caller's type."""
+    if type(obj) is np.ndarray:
+        return _same
+    return _torch_wrapper(code, sys.modules["torch"])
+
+
+def _same(a: Array) -> Array:
+    return a

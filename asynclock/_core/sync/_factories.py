@@ -1,0 +1,75 @@
+"""The coordinator's factories for cross-rank primitives (mixed into Coordinator).
+
+Each name maps to one object per rank, shared by that rank's tasks; the
+message pump (`coord.sync`) is created on first use and runs with the
+progress engine for the whole of `coord.running()`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._service import SyncService
+from .barrier import ConsistencyPoint
+from .condition import Condition
+from .event import Event
+from .lock import Lock
+from .semaphore import Semaphore
+from .sequential import Sequential
+
+if TYPE_CHECKING:
+    from ._service import SyncHost
+
+
+class SyncPrimitives:
+    """Mixin for Coordinator: `coord.lock(name)` and friends."""
+
+    _sync: SyncService | None = None
+
+    def _me(self) -> SyncHost:
+        return self  # type: ignore[return-value]
+
+    @property
+    def sync(self) -> SyncService:
+        """The sync lane's message pump; it runs with the engine on every rank."""
+        if self._sync is None:
+            self._sync = SyncService(self._me())
+        return self._sync
+
+    def _one(self, kind: str, name: str, make: Any) -> Any:
+        return self.sync.primitive(kind, name, make)
+
+    def lock(self, name: str) -> Lock:
+        """The cross-rank lock `name`: FIFO, cancellation-safe, `acquire(timeout=)`."""
+        lock: Lock = self._one("lock", name, lambda: Lock(self.sync, name))
+        return lock
+
+    def semaphore(self, name: str, n: int) -> Semaphore:
+        """A cross-rank semaphore with `n` permits (the same `n` on every rank)."""
+        sem: Semaphore = self._one("semaphore", name, lambda: Semaphore(self.sync, name, n))
+        if sem.capacity != n:
+            raise ValueError(f"semaphore {name!r} already exists with n={sem.capacity}")
+        return sem
+
+    def condition(self, name: str) -> Condition:
+        """A cross-rank condition variable on `coord.lock(name)`."""
+        cond: Condition = self._one("condition", name,
+                                    lambda: Condition(self.sync, name, self.lock(name)))
+        return cond
+
+    def event(self, name: str) -> Event:
+        """A set-once event: set on any rank, awaited on all."""
+        event: Event = self._one("event", name, lambda: Event(self.sync, name))
+        return event
+
+    def sequential(self, name: str) -> Sequential:
+        """`async with coord.sequential(name):` ranks take turns in rank order."""
+        seq: Sequential = self._one("sequential", name, lambda: Sequential(self.sync, name))
+        return seq
+
+    def consistency_point(self, name: str) -> ConsistencyPoint:
+        """`await coord.consistency_point(name)`: a named, agreement-checked barrier."""
+        point: ConsistencyPoint = self._one("point", name,
+                                            lambda: ConsistencyPoint(self._me(), name))
+        return point
+

@@ -1,0 +1,295 @@
+"""Bulk allreduces across hosts over gloo, torch's own TCP collectives.
+
+Why: between hosts connected by TCP, MPI's blocking Allreduce spins a core
+for as long as the wire is busy, and its large-message path is slower than
+gloo's pipelined ring. On two netrig hosts at 5 Gbit/s (bench/collectives.py,
+2 ranks): 64 MiB took 130-134 ms with MPICH and 135-231 ms with Open MPI 4,
+114-126 ms with gloo, whose thread sleeps in the kernel until data arrives;
+4 MiB took 7.1 ms with MPICH, 17.5 ms with Open MPI, 8.5-8.8 ms with gloo. So
+when a channel's ranks span hosts and the program uses torch, asynclock hands
+the channel's allreduces from a measured size on (run in the channel's wait
+thread) to a private gloo group. Everything else stays on MPI: the
+header round that checks and orders every call comes first, so gloo sees
+the calls in the same order on every rank, one at a time per channel.
+
+The group is asynclock's own (`ProcessGroupGloo` on a private `TCPStore`),
+not `torch.distributed`'s default group, so a program's own DDP or
+`init_process_group` is untouched. Setting it up is collective and agreed:
+if any rank cannot (no torch, an unreachable address), no rank uses gloo.
+
+Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
+IPoIB) would be far slower. So `auto` measures before it chooses: the
+first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
+both ways (3 each, every rank; alone and beside a compute load), takes the
+slowest rank's figures, and uses gloo from the smallest size at which it
+beats MPI by 10% while a compute load runs beside the call (as gradient
+buckets run beside backward) and is alone at most twice as slow (not at all
+if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
+`auto` (measured, across hosts only), `measure` (measured, also within a
+node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
+`MPIBackend.bulk_choice` says what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from ..base.ops import ReduceOp
+
+Array = np.ndarray[Any, Any]
+GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
+# Without a probe (ASYNCLOCK_BULK=gloo): from 16 MiB. With MPICH over TCP gloo gained
+# only from there (4 MiB: +2 ms per call); with Open MPI 4 it halved 4 MiB already.
+GLOO_MIN_BYTES = int(os.environ.get("ASYNCLOCK_GLOO_MIN_BYTES", 16 << 20))
+SETUP_TIMEOUT = timedelta(seconds=60)
+OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
+
+
+def mode() -> str:
+    return os.environ.get("ASYNCLOCK_BULK", "auto")
+
+
+def _gloo_usable() -> bool:
+    """torch with gloo, already imported by the program (asynclock alone never
+    pays for importing torch)."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_gloo_available())
+    except ImportError:
+        return False
+
+
+def _agreed(comm: Any, ok: bool) -> bool:
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+
+class GlooStore:
+    """One TCP store per backend (rank 0 serves it); a gloo group per channel."""
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self._made = 0
+        self.min_bytes: int | None = GLOO_MIN_BYTES  # the probe may lower it
+
+    @classmethod
+    def connect(cls, comm: Any, spans: bool) -> tuple[GlooStore | None, str]:
+        """Collective over `comm` (whose ranks span hosts if `spans`): a store
+        every rank reached (or None on all), and why (`MPIBackend.bulk_choice`)."""
+        if mode() == "mpi" or (mode() == "auto" and not spans):  # "measure": probe anyway
+            return None, f"mpi ({'ASYNCLOCK_BULK=mpi' if mode() == 'mpi' else 'one node'})"
+        if not _agreed(comm, _gloo_usable()):
+            return None, "mpi (torch with gloo not imported on every rank)"
+        where = _serve(comm.Get_size(), spans) if comm.Get_rank() == 0 else None
+        store = _reach(comm, comm.bcast(where, root=0))
+        if not _agreed(comm, store is not None):
+            return None, "mpi (a rank could not reach rank 0's gloo store)"
+        made = cls(store, comm.Get_rank(), comm.Get_size())
+        if mode() == "gloo":
+            return made, "gloo (ASYNCLOCK_BULK=gloo)"
+        made.min_bytes, choice = _probe(comm, made.group("probe"))
+        return (made if made.min_bytes is not None else None), choice
+
+    def group(self, name: str) -> GlooGroup:
+        """A channel's group, connected on its first allreduce (every rank makes
+        channels in the same order, so the names agree)."""
+        self._made += 1
+        return GlooGroup(self, f"asynclock/{self._made}/{name}")
+
+    def connect_group(self, prefix: str) -> Any:
+        """Blocking rendezvous of every rank under `prefix` (in a lane's wait thread)."""
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore(prefix, self.store)  # type: ignore[attr-defined]
+        return dist.ProcessGroupGloo(prefixed, self.rank, self.size, OP_TIMEOUT)
+
+
+_SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
+
+
+def _serve(size: int, spans: bool) -> tuple[str, int] | None:
+    """Rank 0: listen on an address the other hosts can reach."""
+    import torch.distributed as dist
+
+    try:
+        addr = socket.gethostbyname(socket.gethostname()) if spans else "127.0.0.1"
+        store = dist.TCPStore(addr, 0, size, True, SETUP_TIMEOUT, wait_for_workers=False)  # type: ignore[attr-defined]
+    except (OSError, RuntimeError):
+        return None
+    _SERVER.append(store)
+    return addr, int(store.port)
+
+
+def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
+    if where is None:
+        return None
+    if comm.Get_rank() == 0:
+        return _SERVER[-1]
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(where[0], where[1], comm.Get_size(), False, SETUP_TIMEOUT)  # type: ignore[attr-defined]
+    except (OSError, RuntimeError):
+        return None
+
+
+PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
+PROBE_REPS = 3
+PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
+ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps)
+CHUNK = 128  # the probe's compute load: 128x128 matmuls (~0.1 ms each on one core)
+
+
+def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
+    """Time MPI's and gloo's allreduce at each probe size, alone and beside a
+    compute load; the slowest rank's medians decide the smallest size from
+    which gloo is used (None: never).
+
+    Beside compute, because that is how gradient buckets run: over TCP, MPI's
+    blocking allreduce spins a core for as long as the wire is busy, gloo's
+    threads mostly wait in the kernel. Where the rank has a spare core the spin
+    costs nothing and MPI's often faster wire time wins; where it has none the
+    spin takes the core from the compute it overlaps. An idle-machine probe
+    cannot tell the two apart: on the 2-host rig (hosts sharing 2 cores) it
+    chose MPI for the 4 MiB buckets in some runs (4 MiB: MPI 6.9 ms, gloo
+    10.9 ms), and the spinning wait thread then cost ~100 ms of CPU per MLP
+    step (Open MPI 182-209 samples/s against 240-252 with gloo, same hour).
+
+    Blocking, once, while the coordinator starts (like its communicator dups)."""
+    from mpi4py import MPI
+
+    mine = np.array([_costs(comm, group, n) for n in PROBE_SIZES])
+    worst = np.empty_like(mine)
+    comm.Allreduce(mine, worst, op=MPI.MAX)
+    wins = [n for n, row in zip(PROBE_SIZES, worst, strict=True) if _gloo_wins(*row)]
+    figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * ga:.1f} ms (beside compute "
+                        f"{1e3 * gb:.1f}), MPI {1e3 * ma:.1f} ms (beside compute {1e3 * mb:.1f})"
+                        for n, (ma, ga, mb, gb) in zip(PROBE_SIZES, worst, strict=True))
+    if not wins:
+        return None, f"mpi (allreduce {figures})"
+    return wins[0], f"gloo from {wins[0] >> 20} MiB (allreduce {figures})"
+
+
+def _gloo_wins(mpi_alone: float, gloo_alone: float, mpi_beside: float,
+               gloo_beside: float) -> bool:
+    """10% faster beside compute, and alone no more than twice as slow."""
+    return gloo_beside < PROBE_MARGIN * mpi_beside and gloo_alone <= ALONE_SLACK * mpi_alone
+
+
+def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
+    """[MPI alone, gloo alone, MPI beside compute, gloo beside compute]: median
+    seconds per call (beside: until both the call and the load are done). Every
+    rank makes the same calls in the same order; only the loads differ."""
+    from mpi4py import MPI
+
+    data = np.ones(nbytes // 4, np.float32)
+
+    def mpi() -> None:
+        comm.Allreduce(MPI.IN_PLACE, data)
+
+    def gloo() -> None:
+        group.allreduce(data, ReduceOp.SUM)
+
+    mpi_alone, gloo_alone = _median_wall(mpi), _median_wall(gloo)
+    load = _Load(mpi_alone)
+    return [mpi_alone, gloo_alone, _median_wall(lambda: load.beside(mpi)),
+            _median_wall(lambda: load.beside(gloo))]
+
+
+def _median_wall(fn: Any) -> float:
+    walls = []
+    for _ in range(PROBE_REPS):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return sorted(walls)[len(walls) // 2]
+
+
+class _Load:
+    """About `seconds` of torch compute (the program's intra-op threads), run in a
+    thread beside a collective: what a spinning wait costs the work it overlaps."""
+
+    def __init__(self, seconds: float, chunk_seconds: float | None = None) -> None:
+        import torch
+
+        self.a = torch.ones(CHUNK, CHUNK)
+        chunk_seconds = self._chunk_seconds() if chunk_seconds is None else chunk_seconds
+        self.chunks = max(1, round(seconds / chunk_seconds))
+        self.done = 0  # chunks run by the last `beside`
+
+    def _chunk_seconds(self) -> float:
+        import torch
+
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(self.a, self.a)
+            times.append(time.perf_counter() - t0)
+        return max(min(times), 1e-6)
+
+    def _run(self) -> None:
+        import torch
+
+        self.done = 0
+        for _ in range(self.chunks):
+            torch.mm(self.a, self.a)
+            self.done += 1
+
+    def beside(self, fn: Any) -> None:
+        """Run `fn()` here while the load runs in a thread; return when both are done."""
+        worker = threading.Thread(target=self._run, name="asynclock-probe-load")
+        worker.start()
+        try:
+            fn()
+        finally:
+            worker.join()
+
+
+class GlooGroup:
+    """A channel's bulk allreduce, blocking in the kernel (not spinning).
+
+    Its connections are made on the first allreduce, in the channel's wait
+    thread (each channel has its own, and its calls come in agreed order), so
+    channels that never move 16 MiB at once never connect."""
+
+    def __init__(self, store: GlooStore, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+        self.pg: Any = None
+        self.calls = 0  # written by the channel's wait thread only
+
+    def handles(self, data: Array, op: ReduceOp) -> bool:
+        """Large enough to gain (measured: `_probe`), in a dtype gloo sums."""
+        return (data.nbytes >= (self.store.min_bytes or 0) and data.dtype.name in GLOO_DTYPES
+                and data.flags.c_contiguous)
+
+    def allreduce(self, data: Array, op: ReduceOp, send: Array | None = None) -> None:
+        """Reduce into `data` (from `send` when given; AVERAGE sums, the caller divides)."""
+        import torch
+        import torch.distributed as dist
+
+        if send is not None:
+            data[...] = send
+        if self.pg is None:
+            self.pg = self.store.connect_group(self.prefix)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _GLOO_OPS(dist)[op]
+        self.pg.allreduce([torch.from_numpy(data.reshape(-1))], opts).wait()
+        self.calls += 1
+
+
+def _GLOO_OPS(dist: Any) -> dict[ReduceOp, Any]:  # noqa: N802 - a table, looked up late
+    r = dist.ReduceOp
+    return {ReduceOp.SUM: r.SUM, ReduceOp.AVERAGE: r.SUM, ReduceOp.MIN: r.MIN,
+            ReduceOp.MAX: r.MAX, ReduceOp.PRODUCT: r.PRODUCT}

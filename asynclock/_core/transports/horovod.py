@@ -1,0 +1,427 @@
+"""The Horovod transport: headers over MPI, data stages over Horovod's handles.
+
+Horovod and mpi4py share one MPI world (`hvd.init(comm=...)`). The header
+round of every checked collective, barriers, the split-count exchange of
+alltoall and the sync primitives' point-to-point traffic go over the MPI
+communicators of an `MPIChannel` (microseconds), so small collectives whose
+payload rides inline in the header (<= 128 B) complete without touching
+Horovod at all and are not bound by its cycle time (1 ms by default). Only
+data stages go to Horovod: `allreduce_async_`, `broadcast_async_`,
+`allgather_async`, `reducescatter_async`, `alltoall_async`, each under a
+unique, rank-consistent name (`asynclock<k>.<lane>.d<n>`: data stages are
+issued in header order, so the n-th stage of a lane is the same call on
+every rank).
+
+Under `horovodrun --gloo` there is no MPI world. Header rounds, barriers,
+agreement rounds and point-to-point messages then travel on a TCP mesh
+(`mailbox`), so they still cost microseconds rather than a Horovod cycle
+each, and small collectives still never touch Horovod.
+
+Horovod's knobs (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD,
+HOROVOD_TIMELINE, HOROVOD_CACHE_CAPACITY, ...) are read by Horovod from the
+environment; asynclock sets one default, and only when it initializes Horovod
+itself: HOROVOD_DISABLE_GROUP_FUSION=1 (`GROUP_DEFAULTS`). Gradient buckets go
+as Horovod groups (`torch.grouped`); fused with other groups, a bucket's
+place in Horovod's fusion buffer, and with it the order in which 3+ ranks sum
+each element, would depend on which buckets happened to be ready in the same
+cycle, so the same gradients could round differently run to run (gated and
+plain updates stopped being bit-identical under `horovodrun --gloo` at 3
+ranks). No cost measured at 2 ranks (MLP 359-375 vs 361-379 samples/s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..base.errors import BackendError
+from ..base.ops import DTYPE_CODES, ReduceOp
+from .base import DONE, Array, Request, close_channel_of
+from .heartbeat import MailboxLink, MPILink
+from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
+from .mailbox import AGREE, DATA, Mailbox, MailboxPort
+from .mpi import MPIBackend, MPIChannel
+
+Finish = Callable[[Any], None]
+Launch = Callable[[Any, str], int]  # (horovod.torch, op name) -> handle
+
+# dtypes Horovod's CPU allreduce/reducescatter accept; smaller ints go as int64.
+_NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+_MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
+_PAUSE_SHARE = 0.1  # a wait sleeps at most this share of its time so far between polls
+GROUP_DEFAULTS = {"HOROVOD_DISABLE_GROUP_FUSION": "1"}  # see the module docstring
+_instances = itertools.count()  # backends are made in the same order on every rank
+_module: Any = None
+
+
+def _hvd() -> Any:
+    """Import Horovod lazily (`import asynclock` must work without it), once:
+    `Test` calls this on every poll."""
+    global _module
+    if _module is None:
+        import horovod.torch as hvd
+
+        _module = hvd
+    return _module
+
+
+def _tensor(arr: Array) -> Any:
+    """A torch tensor sharing `arr`'s memory (read-only buffers are copied:
+    torch only wraps writable ones)."""
+    import torch
+
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+def _raw(arr: Array) -> Array:
+    """Moved-only data travels as bytes: every dtype, bfloat16 included."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _hvd_op(op: ReduceOp) -> Any:
+    """AVERAGE sums here; the collective divides afterwards, as it does on MPI."""
+    hvd = _hvd()
+    return {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Sum, ReduceOp.MIN: hvd.Min,
+            ReduceOp.MAX: hvd.Max, ReduceOp.PRODUCT: hvd.Product}[op]
+
+
+def _reducible(arr: Array, copy: bool) -> Array:
+    """`arr` in a dtype Horovod reduces; int8/uint8/int16 widen to int64 (the
+    narrowing copy back wraps exactly as MPI's narrow arithmetic would)."""
+    if arr.dtype in _NATIVE:
+        return arr.copy() if copy else arr
+    return arr.astype(np.int64)
+
+
+def _copy_into(dst: Array, out: Any) -> None:
+    """Copy a Horovod-allocated result into the caller's buffer, checking its size."""
+    src = out.numpy().reshape(-1)
+    if src.size != dst.size:
+        raise BackendError(f"horovod returned {src.size} elements where {dst.size} were agreed")
+    np.copyto(dst.reshape(-1), src, casting="unsafe")
+
+
+def _split(rows: int, size: int) -> list[int]:
+    """Horovod's reducescatter split of dim 0: first ranks get the extra row."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def _row_width(counts: list[int], size: int) -> int | None:
+    """Elements per row if `counts` is Horovod's own split of some 2-D tensor."""
+    width = math.gcd(*counts)
+    if width == 0:
+        return None
+    rows = [c // width for c in counts]
+    return width if rows == _split(sum(rows), size) else None
+
+
+class HorovodRequest:
+    """A Horovod handle with mpi4py's `Test`/`Wait`; `finish` copies results out.
+
+    A failed operation raises `BackendError` from `Test`/`Wait`; the engine
+    fails that operation only, on every rank (Horovod reports a failure to
+    every rank taking part).
+    """
+
+    __slots__ = ("handle", "what", "finish", "done")
+
+    def __init__(self, handle: int, what: str, finish: Finish | None) -> None:
+        self.handle, self.what, self.finish = handle, what, finish
+        self.done = False
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
+        if self.done:
+            return True
+        if not _hvd().poll(self.handle):
+            os.sched_yield()  # only Horovod's thread can finish it: let it have the core
+            return False
+        self._complete()
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        """Sleep-poll in the wait thread: `hvd.synchronize` spins a core on
+        `yield()`, which a 2-core host shares with Horovod's own thread."""
+        pause, start, poll = _MIN_PAUSE, time.perf_counter(), _hvd().poll
+        while not self.done and not poll(self.handle):
+            time.sleep(pause)
+            pause = min(_MAX_PAUSE, max(_MIN_PAUSE, _PAUSE_SHARE * (time.perf_counter() - start)))
+        if not self.done:
+            self._complete()
+
+    def _complete(self) -> None:
+        self.done = True
+        try:
+            out = _hvd().synchronize(self.handle)
+        except Exception as exc:  # HorovodInternalError and friends
+            raise BackendError(f"horovod {self.what}: {exc}") from exc
+        if self.finish is not None:
+            self.finish(out)
+
+
+class HorovodChannel:
+    """One subsystem's traffic: MPI (or the gloo fallbacks) for headers, Horovod for data."""
+
+    def __init__(self, name: str, prefix: str, rank: int, size: int,
+                 mpi: MPIChannel | None, port: MailboxPort | None) -> None:
+        self.name, self.rank, self.size = name, rank, size
+        self.mpi, self.port = mpi, port
+        self._prefix = f"{prefix}.{name}"
+        self._count = {"d": 0}  # data stages: named in header order
+
+    def _start(self, tag: str, what: str, launch: Launch,
+               finish: Finish | None = None) -> HorovodRequest:
+        """Name the op (rank-consistent: each tag's calls come in agreed order) and issue it."""
+        self._count[tag] += 1
+        name = f"{self._prefix}.{tag}{self._count[tag]}"
+        try:
+            handle = launch(_hvd(), name)
+        except Exception as exc:  # refused at enqueue: e.g. Horovod is shut down
+            raise BackendError(f"horovod {what} {name}: {exc}") from exc
+        return HorovodRequest(handle, f"{what} {name}", finish)
+
+    # -- header rounds: MPI when there is a world, else the TCP mesh -------------
+    def iallgather_slots(self, send: Array, recv: Array) -> Request:
+        if self.mpi is not None:
+            return self.mpi.iallgather_slots(send, recv)
+        assert self.port is not None
+        return self.port.iallgather(send, recv)
+
+    def ibarrier(self) -> Request:
+        """Ordered with the header rounds, as MPI's Ibarrier on the header communicator."""
+        if self.mpi is not None:
+            return self.mpi.ibarrier()
+        assert self.port is not None
+        return self.port.iallgather(np.zeros(1, np.int64), np.empty(self.size, np.int64))
+
+    # -- data stages: Horovod ----------------------------------------------------
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        work = recv if recv.dtype in _NATIVE else np.empty(recv.shape, np.int64)
+        if send is not None or work is not recv:
+            np.copyto(work, recv if send is None else send, casting="unsafe")
+        t = _tensor(work)
+        finish = None if work is recv else (lambda _: np.copyto(recv, work, casting="unsafe"))
+        return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
+            t, name=n, op=_hvd_op(op)), finish)
+
+    def iallreduce_grouped(self, inputs: list[Any], outputs: list[Any],
+                           prescale: float) -> Request:
+        """Sum `inputs` (torch tensors) into `outputs`, scaled by `prescale` first, as one
+        Horovod group: Horovod copies them into its fusion buffer and back out, so a
+        gradient bucket travels without asynclock copying it first (`torch.grouped`).
+        Every rank passes the same number of tensors, of the same sizes, in one order."""
+        def launch(h: Any, name: str) -> int:
+            return int(h.mpi_ops._grouped_allreduce_async(
+                inputs, outputs, name, h.Sum, prescale, 1.0, h.global_process_set))
+
+        return self._start("d", "grouped allreduce", launch)
+
+    half_codes = frozenset({DTYPE_CODES["float16"]})  # Horovod sums float16 itself
+
+    def iallreduce_half(self, data: Array, code: int) -> Request:
+        """float16 stays float16 on the wire: Horovod's own half allreduce."""
+        import torch
+
+        t = _tensor(data.view(np.int16)).view(torch.float16)
+        return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
+            t, name=n, op=h.Sum))
+
+    def ibcast(self, buf: Array, root: int) -> Request:
+        t = _tensor(_raw(buf))
+        return self._start("d", "broadcast", lambda h, n: h.broadcast_async_(t, root, name=n))
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
+        """Horovod gathers dim 0 of any length; `counts` was agreed in the headers."""
+        t = _tensor(_raw(send))
+        return self._start("d", "allgather", lambda h, n: h.allgather_async(t, name=n),
+                           lambda out: _copy_into(_raw(recv), out))
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request:
+        """Horovod's reducescatter does SUM (and AVERAGE) on its own row split;
+        anything else is an allreduce of which this rank keeps its slice."""
+        if sum(counts) == 0:
+            return DONE
+        width = _row_width(counts, self.size)
+        if width is None or op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            return self._reduce_then_slice(send, recv, counts, op)
+        t = _tensor(_reducible(send, copy=False).reshape(-1, width))
+        return self._start("d", "reducescatter", lambda h, n: h.reducescatter_async(
+            t, name=n, op=h.Sum), lambda out: _copy_into(recv, out))
+
+    def _reduce_then_slice(self, send: Array, recv: Array, counts: list[int],
+                           op: ReduceOp) -> Request:
+        full = _reducible(send.reshape(-1), copy=True)
+        start = sum(counts[: self.rank])
+        mine, out = full[start: start + counts[self.rank]], recv.reshape(-1)
+        t = _tensor(full)
+        return self._start("d", "allreduce(reduce_scatter)", lambda h, n: h.allreduce_async_(
+            t, name=n, op=_hvd_op(op)), lambda _: np.copyto(out, mine, casting="unsafe"))
+
+    def ialltoall(self, send: Array, recv: Array) -> Request:
+        """Equal blocks (the split counts of `alltoall`): MPI, or the TCP mesh as an
+        allgather of which each rank keeps its column (these are a few words)."""
+        if self.mpi is not None:
+            return self.mpi.ialltoall(send, recv)
+        assert self.port is not None
+        rows = np.empty((self.size, send.size), send.dtype)
+        mine = rows.reshape(self.size, self.size, -1)[:, self.rank]
+        return self.port.iallgather(send, rows, DATA, lambda: np.copyto(
+            recv.reshape(self.size, -1), mine))
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request:
+        t, splits = _tensor(_raw(send)), [c * send.itemsize for c in scounts]
+        return self._start("d", "alltoall", lambda h, n: h.alltoall_async(
+            t, splits=splits, name=n), lambda out: _copy_into(_raw(recv), out[0]))
+
+    def bulk_view(self) -> None:
+        """None: Horovod's background thread moves bulk data; the engine's
+        wait thread only sleep-polls its handle (`HorovodRequest.Wait`)."""
+        return None
+
+    # -- point-to-point (sync primitives) ------------------------------------------
+    def p2p_isend(self, buf: Array, dest: int) -> Request:
+        if self.mpi is not None:
+            return self.mpi.p2p_isend(buf, dest)
+        assert self.port is not None
+        return self.port.isend(buf, dest)
+
+    def p2p_try_recv(self, buf: Array) -> tuple[int, int] | None:
+        if self.mpi is not None:
+            return self.mpi.p2p_try_recv(buf)
+        assert self.port is not None
+        return self.port.try_recv(buf)
+
+    def p2p_iallreduce_max(self, send: Array, recv: Array) -> Request:
+        if self.mpi is not None:
+            return self.mpi.p2p_iallreduce_max(send, recv)
+        assert self.port is not None
+        rows = np.empty((self.size, *send.shape), send.dtype)
+        return self.port.iallgather(send, rows, AGREE, lambda: np.max(rows, axis=0, out=recv))
+
+    def close(self) -> None:
+        if self.mpi is not None:
+            self.mpi.close()
+
+
+def _controller(hvd: Any, comm: Any) -> str:
+    """`mpi` when Horovod and mpi4py can share an MPI world, else `gloo`."""
+    if comm is not None:
+        return "mpi"
+    if hvd.is_initialized():
+        return "mpi" if hvd.mpi_enabled() else "gloo"
+    if os.environ.get("HOROVOD_CONTROLLER", "").lower() == "gloo" or not hvd.mpi_built():
+        return "gloo"
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except Exception:
+        return "gloo"
+    return "mpi"
+
+
+class HorovodBackend:
+    """Horovod (MPI or gloo controller) with asynclock's checked headers in front."""
+
+    name = "horovod"
+
+    def __init__(self, comm: Any = None) -> None:
+        hvd = _hvd()
+        self.controller = _controller(hvd, comm)
+        self._owns_horovod = not hvd.is_initialized()
+        if self.controller == "mpi" and self._owns_horovod:  # before any MPI_Init
+            built = horovod_mpi(Path(hvd.__file__).resolve().parents[1])
+            check_launcher(built, os.environ)
+        self._mpi = MPIBackend(comm) if self.controller == "mpi" else None
+        if self._mpi is not None and self._owns_horovod:
+            from mpi4py import MPI
+
+            check_mpi4py(built, MPI.Get_library_version())
+        if self._owns_horovod:
+            self._init_horovod(hvd)
+        self._check_ranks(hvd)
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
+        self._prefix = f"asynclock{next(_instances)}"
+        self._mailbox = None if self._mpi is not None else self._mesh(hvd, "mailbox")
+        self.watchdog_link: MPILink | MailboxLink = (
+            self._mpi.watchdog_link if self._mpi is not None
+            else MailboxLink(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
+        self._channels: list[HorovodChannel] = []
+        self._ports = itertools.count()  # mailbox channel ids: never reused after a close
+
+    def _mesh(self, hvd: Any, what: str) -> Mailbox:
+        """A TCP mesh between the ranks (no MPI world): addresses go round over Horovod."""
+        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        return Mailbox(self.rank, self.size, host, lambda addr: list(
+            hvd.allgather_object(addr, name=f"{self._prefix}.{what}")))
+
+    def _init_horovod(self, hvd: Any) -> None:
+        """Horovod's background thread calls MPI while our loop does: THREAD_MULTIPLE."""
+        mpi = self._mpi
+        if mpi is not None:
+            from mpi4py import MPI
+
+            if mpi.thread_level < MPI.THREAD_MULTIPLE:
+                raise BackendError("the Horovod backend needs MPI_THREAD_MULTIPLE (mpi4py's "
+                                   f"default); MPI was initialized with level {mpi.thread_level}")
+        for key, value in GROUP_DEFAULTS.items():
+            os.environ.setdefault(key, value)  # the user's own setting wins
+        try:
+            hvd.init(comm=mpi.world) if mpi is not None else hvd.init()
+        except Exception as exc:
+            raise BackendError(f"hvd.init() failed ({self.controller} controller): {exc}") from exc
+
+    def _check_ranks(self, hvd: Any) -> None:
+        """A Horovod the user initialized on another communicator would mis-route data."""
+        mpi = self._mpi
+        if mpi is not None and (hvd.rank(), hvd.size()) != (mpi.rank, mpi.size):
+            raise BackendError(
+                f"Horovod rank {hvd.rank()} of {hvd.size()} is MPI rank {mpi.rank} of {mpi.size}: "
+                "initialize Horovod on the communicator given to asynclock (hvd.init(comm=...))")
+
+    def channel(self, name: str) -> HorovodChannel:
+        """Collective call: every rank must create channels in the same order."""
+        mpi = self._mpi.channel(name) if self._mpi is not None else None
+        port = self._mailbox.port(next(self._ports)) if self._mailbox is not None else None
+        ch = HorovodChannel(name, self._prefix, self.rank, self.size, mpi, port)
+        self._channels.append(ch)
+        return ch
+
+    def close_channel(self, channel: Any) -> None:
+        close_channel_of(self._channels, channel)
+
+    def describe(self) -> str:
+        import horovod
+
+        if self._mpi is not None:
+            from mpi4py import MPI
+
+            headers = MPI.Get_library_version().split(",")[0].strip()
+        else:
+            headers = "a TCP mesh"
+        return (f"horovod {horovod.__version__} ({self.controller} controller; headers over "
+                f"{headers}; pid {os.getpid()})")
+
+    def shutdown(self) -> None:
+        """Stop Horovod if we started it, then free our communicators."""
+        for ch in self._channels:
+            ch.close()
+        self._channels.clear()
+        if self._mailbox is not None:
+            self._mailbox.close()
+        if isinstance(self.watchdog_link, MailboxLink):
+            self.watchdog_link.close()  # the watchdog said `closing` before this
+        if self._owns_horovod:
+            _hvd().shutdown()
+        if self._mpi is not None:
+            self._mpi.shutdown()

@@ -1,0 +1,250 @@
+"""The MPI transport: mpi4py non-blocking collectives on duplicated communicators."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..base.ops import HALF_CODES, ReduceOp
+from .base import Array, Deferred, Request, close_channel_of
+from .gloo_bulk import GlooGroup, GlooStore
+from .heartbeat import MPILink
+from .ring import ring_allreduce_half
+
+
+def _mpi() -> Any:
+    """Import mpi4py lazily: `import asynclock` must not initialise MPI."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _mpi_op(op: ReduceOp) -> Any:
+    MPI = _mpi()
+    return {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}[op]
+
+
+_P2P_TAG = 7
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def _bytes(arr: Array) -> Array:
+    """Data that is only moved, not reduced, travels as bytes: no MPI datatype
+    is needed for float16 or bfloat16 (Open MPI 4 has none)."""
+    return arr.view(np.uint8)
+
+
+def _scaled(counts: list[int], arr: Array) -> list[int]:
+    size = arr.itemsize
+    return counts if size == 1 else [c * size for c in counts]
+
+
+class MPIChannel:
+    """One subsystem's private header and data communicators."""
+
+    def __init__(self, world: Any, name: str, gloo: GlooStore | None = None) -> None:
+        self.name = name
+        self.hdr = world.Dup()
+        self.data = world.Dup()
+        self.p2p = world.Dup()
+        self.bulk = world.Dup()
+        self.bulk.Set_name(f"asynclock.{name}.bulk")
+        self.hdr.Set_name(f"asynclock.{name}.hdr")
+        self.data.Set_name(f"asynclock.{name}.data")
+        self.p2p.Set_name(f"asynclock.{name}.p2p")
+        self._status = _mpi().Status()
+        self.rank = world.Get_rank()
+        self.size = world.Get_size()
+        self._bulk_view = BulkChannel(self, gloo.group(name) if gloo is not None else None)
+        # `iallgather_slots` without the Python frame, for engine.small_calls's hot path
+        self.iallgather_slots_direct: Callable[[Array, Array], Request] = self.hdr.Iallgather
+
+    def iallgather_slots(self, send: Array, recv: Array) -> Request:
+        return self.hdr.Iallgather(send, recv)  # type: ignore[no-any-return]
+
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        src = _mpi().IN_PLACE if send is None else send
+        return self.data.Iallreduce(src, recv, _mpi_op(op))  # type: ignore[no-any-return]
+
+    def ibcast(self, buf: Array, root: int) -> Request:
+        return self.data.Ibcast(_bytes(buf), root)  # type: ignore[no-any-return]
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
+        counts = _scaled(counts, recv)
+        return self.data.Iallgatherv(  # type: ignore[no-any-return]
+            _bytes(send), [_bytes(recv), (counts, _displs(counts))])
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request:
+        return self.data.Ireduce_scatter(send, recv, counts, _mpi_op(op))  # type: ignore[no-any-return]
+
+    def ialltoall(self, send: Array, recv: Array) -> Request:
+        return self.data.Ialltoall(send, recv)  # type: ignore[no-any-return]
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request:
+        scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
+        return self.data.Ialltoallv(  # type: ignore[no-any-return]
+            [_bytes(send), (scounts, _displs(scounts))],
+            [_bytes(recv), (rcounts, _displs(rcounts))])
+
+    def ibarrier(self) -> Request:
+        return self.hdr.Ibarrier()  # type: ignore[no-any-return]
+
+    def bulk_view(self) -> BulkChannel:
+        return self._bulk_view
+
+    def p2p_isend(self, buf: Array, dest: int) -> Request:
+        return self.p2p.Isend(buf, dest, _P2P_TAG)  # type: ignore[no-any-return]
+
+    def p2p_try_recv(self, buf: Array) -> tuple[int, int] | None:
+        """Iprobe then Recv: the loop thread is the only receiver on `p2p`, so
+        the probed message is the one received, and it has already arrived."""
+        MPI, st = _mpi(), self._status
+        if not self.p2p.Iprobe(MPI.ANY_SOURCE, _P2P_TAG, st):
+            return None
+        source = st.Get_source()
+        self.p2p.Recv(buf, source, _P2P_TAG, st)
+        return source, st.Get_count(MPI.BYTE)
+
+    def p2p_iallreduce_max(self, send: Array, recv: Array) -> Request:
+        return self.p2p.Iallreduce(send, recv, _mpi().MAX)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Free every communicator; only called once nothing is in flight."""
+        for comm in (self.hdr, self.data, self.p2p, self.bulk):
+            if comm != _mpi().COMM_NULL:
+                comm.Free()
+
+
+class MPIBackend:
+    """MPI world via mpi4py; works under mpiexec, mpirun, srun and singleton."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any = None) -> None:
+        MPI = _mpi()
+        self.world = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.world.Set_name("asynclock.world")
+        self.rank = self.world.Get_rank()
+        self.size = self.world.Get_size()
+        self._node = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self._node.Get_rank()
+        self.local_size = self._node.Get_size()
+        self._cross = self.world.Split(self.local_rank, self.rank)
+        self.cross_rank = self._cross.Get_rank()
+        self.cross_size = self._cross.Get_size()
+        self.thread_level = MPI.Query_thread()
+        self._gloo: GlooStore | None = None
+        self.bulk_choice = ""  # how bulk allreduces travel, decided at the first channel
+        self._channels: list[MPIChannel] = []
+        # The watchdog's heartbeats travel on their own communicator, so they
+        # never match anything else and a busy data channel cannot delay them.
+        self.watchdog_comm = self.world.Dup()
+        self.watchdog_comm.Set_name("runtime.watchdog")
+        self.watchdog_link = MPILink(self.watchdog_comm)
+
+    def channel(self, name: str) -> MPIChannel:
+        """Collective call: every rank must create channels in the same order."""
+        if not self.bulk_choice:
+            spans = self.local_size < self.size
+            self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
+        ch = MPIChannel(self.world, name, self._gloo)
+        self._channels.append(ch)
+        return ch
+
+    def subchannels(self, names: tuple[str, ...], ranks: tuple[int, ...]
+                    ) -> list[MPIChannel] | None:
+        """A process set's channels (`api.process_sets`), one per name: collective
+        over the world, in the same order everywhere; None on ranks outside the set."""
+        MPI = _mpi()
+        member = self.rank in ranks
+        sub = self.world.Split(0 if member else MPI.UNDEFINED, self.rank)
+        if not member:
+            return None
+        try:
+            channels = [MPIChannel(sub, name) for name in names]
+        finally:
+            sub.Free()
+        self._channels.extend(channels)
+        return channels
+
+    def close_channel(self, channel: Any) -> None:
+        """Free one channel's communicators (its members, once nothing is in flight)."""
+        close_channel_of(self._channels, channel)
+
+    def gloo_calls(self) -> int:
+        """Bulk allreduces that went through gloo so far (all channels)."""
+        return sum(ch.bulk_view().gloo_calls() for ch in self._channels)
+
+    def describe(self) -> str:
+        version = _mpi().Get_library_version().splitlines()[0].strip()
+        return f"mpi ({version}, pid {os.getpid()})"
+
+    def shutdown(self) -> None:
+        """Free every communicator we duplicated; MPI itself stays up for the user."""
+        for ch in self._channels:
+            ch.close()
+        self._channels.clear()
+        for comm in (self.watchdog_comm, self._cross, self._node, self.world):
+            comm.Free()
+
+
+class BulkChannel:
+    """Blocking collectives on the channel's `bulk` communicator, deferred to the
+    engine's wait thread (see `Deferred` for why bulk data goes blocking; and
+    `gloo_bulk` for why allreduces across hosts may go through gloo)."""
+
+    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None) -> None:
+        self.name, self.rank, self.size = chan.name, chan.rank, chan.size
+        self._c = chan.bulk
+        self.gloo = gloo
+
+    def gloo_calls(self) -> int:
+        return self.gloo.calls if self.gloo is not None else 0
+
+    def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        gloo = self.gloo
+        if gloo is not None and gloo.handles(recv, op):
+            return Deferred(lambda: gloo.allreduce(recv, op, send))
+        src = _mpi().IN_PLACE if send is None else send
+        return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
+
+    half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
+
+    def iallreduce_half(self, data: Array, code: int) -> Request:
+        """Sum 16-bit floats in place, 16-bit on the wire (see `ring`)."""
+        return Deferred(lambda: ring_allreduce_half(self._c, data, code))
+
+    def ibcast(self, buf: Array, root: int) -> Request:
+        return Deferred(lambda: self._c.Bcast(_bytes(buf), root))
+
+    def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
+        counts = _scaled(counts, recv)
+        return Deferred(lambda: self._c.Allgatherv(
+            _bytes(send), [_bytes(recv), (counts, _displs(counts))]))
+
+    def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
+                        op: ReduceOp) -> Request:
+        return Deferred(lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op)))
+
+    def ialltoall(self, send: Array, recv: Array) -> Request:
+        return Deferred(lambda: self._c.Alltoall(send, recv))
+
+    def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
+                   rcounts: list[int]) -> Request:
+        scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
+        return Deferred(lambda: self._c.Alltoallv(
+            [_bytes(send), (scounts, _displs(scounts))],
+            [_bytes(recv), (rcounts, _displs(rcounts))]))

@@ -1,0 +1,100 @@
+"""User options (Horovod's names plus asynclock's) turned into `ReduceOptions`.
+
+Shared by `DistributedOptimizer` and `train_step`, so both APIs accept and
+validate the same knobs the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..._core.base.ops import ReduceOp, as_reduce_op
+from ..._core.engine.progress import ProgressPolicy
+from .buckets import Caps
+from .compression import Compression, wire_dtype
+from .reducer import MiB, ReduceOptions
+from .registry import ParamRegistry
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """asynclock's own knobs; defaults suit CPU ranks sharing memory."""
+
+    bucket_cap_mb: float = 4.0
+    first_bucket_mb: float = 1.0
+    window_mb: float = 16.0
+    partition: bool = True
+    priority: bool | None = None  # None: on exactly when forward gating is on
+    replan: bool = True
+    shm: bool = True  # shared-memory buckets when every rank is on one node (MPI)
+    stall_s: float = float(os.environ.get("ASYNCLOCK_STALL_S", "60"))
+    timeout_s: float | None = None
+
+
+def training_policy() -> ProgressPolicy:
+    """Progress-engine settings for ranks whose core is busy training.
+
+    The default polls tightly for 2 ms after every bit of progress; with
+    dozens of bucket operations per step on one core per rank, that spinning
+    measurably slows backward (bench/train.py: ~15 ms of CPU per MLP step).
+    200 µs keeps small-message latency low and gives the core back; for
+    the same reason the spin after each issue stays at 50 µs (a bucket's
+    header waits for the slowest rank's backward, often for milliseconds).
+    ASYNCLOCK_BUSY_US and ASYNCLOCK_SPIN_US still win when set.
+    """
+    policy = ProgressPolicy.from_env()
+    if "ASYNCLOCK_BUSY_US" not in os.environ:
+        policy = replace(policy, busy_s=2e-4)
+    if "ASYNCLOCK_SPIN_US" not in os.environ:
+        policy = replace(policy, spin_s=5e-5)
+    return policy
+
+
+def split_groups(registry: ParamRegistry, groups: Any) -> tuple[tuple[int, ...], ...]:
+    """Horovod's `groups`: an int (that many even chunks) or lists of parameters."""
+    if groups is None or groups == 0:
+        return ()
+    n = len(registry)
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups must be a non-negative int or a list of lists, got {groups}")
+        size = -(-n // groups)
+        return tuple(tuple(range(a, min(a + size, n))) for a in range(0, n, size))
+    return _listed_groups(registry, groups)
+
+
+def _listed_groups(registry: ParamRegistry,
+                   groups: Sequence[Sequence[Any]]) -> tuple[tuple[int, ...], ...]:
+    out, seen = [], set()
+    for group in groups:
+        idx = []
+        for p in group:
+            i = registry.index(p)
+            if i is None:
+                raise ValueError("groups must only contain trainable parameters of the optimizer")
+            if i in seen:
+                raise ValueError(f"parameter {registry.names[i]} appears in more than one group")
+            seen.add(i)
+            idx.append(i)
+        if idx:
+            out.append(tuple(idx))
+    return tuple(out)
+
+
+def build_options(registry: ParamRegistry, *, op: Any = ReduceOp.AVERAGE,
+                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                  gradient_predivide_factor: float = 1.0, groups: Any = None,
+                  tuning: Tuning = Tuning(), gated: bool = False) -> ReduceOptions:
+    """Validate and combine; raises the same ValueError on every rank."""
+    caps = Caps(int(tuning.bucket_cap_mb * MiB), int(tuning.first_bucket_mb * MiB),
+                tuning.partition)
+    priority = gated if tuning.priority is None else tuning.priority
+    return ReduceOptions(
+        op=as_reduce_op(op), predivide=float(gradient_predivide_factor),
+        wire_dtype=wire_dtype(compression), passes=int(backward_passes_per_step), caps=caps,
+        window_bytes=max(1, int(tuning.window_mb * MiB)), groups=split_groups(registry, groups),
+        replan=tuning.replan, priority=priority, shm=tuning.shm, stall_s=tuning.stall_s,
+        timeout_s=tuning.timeout_s)

@@ -1,0 +1,328 @@
+"""Horovod's `DistributedOptimizer`, on asynclock's bucketed, overlapped reducer.
+
+Built the way Horovod builds it (a subclass of the user's optimizer class,
+created on the fly), so `isinstance(opt, torch.optim.SGD)`, LR schedulers and
+`state_dict()` keep working. Hooks fire in the user's thread during
+`loss.backward()` and launch buckets through the coordinator's private loop
+thread; `step()` waits for the buckets and applies the optimizer.
+
+Beyond Horovod (keyword-only): `per_bucket_step=True` applies the update
+per bucket as buckets arrive; `gate_forward=model` returns from `step()` at
+once and lets the next forward start on layers whose buckets are in; and
+`no_sync()` accumulates gradients locally without communicating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..._core.base.ops import ReduceOp
+from ..._core.engine.operation import Lane
+from ..._core.runtime import coordinator as runtime
+from .._grad.apply import only, settings_of
+from .._grad.gate import ForwardGate, check_gate_covers
+from .._grad.loop_access import sync_link
+from .._grad.options import Tuning, build_options
+from .._grad.reducer import (
+    Finish,
+    Params,
+    Reducer,
+    check_shard_transport,
+    gradient_lane,
+    sync_shards,
+)
+from .._grad.registry import ParamRegistry
+from .._grad.run import StepRun
+from .._grad.shard import Shards, check_shardable, refuse_unsharded
+from .._grad.tracing import step_span, trace_module
+
+ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
+                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                  "cause a race condition.")
+STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                   "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                   "consider using optimizer.skip_synchronize() context if you use "
+                   "optimizer.synchronize() in your code.")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer class."""
+
+    _base_class: type[torch.optim.Optimizer]
+
+    def __init__(self, params: Any, named_parameters: Any, options: dict[str, Any],
+                 tuning: Tuning, mode: Finish, gate_model: torch.nn.Module | None,
+                 process_set: Any = None, shard: bool = False) -> None:
+        self._base_class.__init__(self, params)  # type: ignore[call-arg]
+        registry = ParamRegistry(self.param_groups, named_parameters)  # refuses duplicates
+        coord = runtime.coordinator()
+        opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
+        if gate_model is not None:
+            check_gate_covers(gate_model, registry)
+        link = sync_link(coord)
+        lane = _lane_for(coord, process_set)
+        shard = shard and lane.size > 1  # one rank alone has nothing to share
+        if shard:
+            check_shard_transport(coord, lane, opts)
+        self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
+                                lane)
+        self._shard_wanted = shard
+        self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
+        if shard:
+            self._reducer.shard_after_replan(self, self._base_class)
+        self._mode = mode
+        self._should_synchronize = True
+        self._synchronized = False
+        self._gate: ForwardGate | None = None
+        self._traced: list[Any] = []
+        try:
+            if gate_model is not None:
+                self._gate = ForwardGate(gate_model, registry, self._reducer.updates)
+                self._traced = trace_module(gate_model)
+                self._reducer.bucketer.before = self._reducer.updates.before_gradient
+            coord.run_sync(self._reducer.check_signature)
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    def _remove_hooks(self) -> None:
+        for handle in self._traced:
+            handle.remove()
+        self._reducer.remove()
+        if self._gate is not None:
+            self._gate.remove()
+
+    # -- applying updates (called by the reducer) --------------------------------------
+    def _step_params(self, params: Params) -> None:
+        with step_span(), settings_of(self, self._reducer.settings):
+            if len(params) == len(self._reducer.registry.params):
+                self._base_class.step(self)
+                return
+            with only(self, params):
+                self._base_class.step(self)
+
+    def _zero_params(self, params: Params, set_to_none: bool) -> None:
+        with only(self, params):
+            self._base_class.zero_grad(self, set_to_none)
+
+    # -- Horovod's API ---------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced (launching whatever did not launch).
+
+        Sharded, too: every rank's chunks are copied back, so `.grad` is the whole
+        average (to clip it in place); the update itself waits for `step()`."""
+        shards = self._reducer.shards
+        if shards is not None:
+            self._synced = sync_shards(self._reducer, shards)
+        else:
+            self._reducer.synchronize()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """`step()` inside this block does not synchronize (after a manual one)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None and self._shard_wanted:
+            raise refuse_unsharded("optimizer.step(closure)")
+        if not self._should_synchronize:
+            self._synchronized = False
+            return self._step_synchronized(closure)
+        if self._synchronized:
+            warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
+        self._synchronized = False
+        if self._synced is not None:  # sharded: the synchronized round, not a new one
+            return self._step_synchronized(None)
+        mode = Finish.WHOLE if closure is not None else self._mode
+        if mode is Finish.WHOLE:
+            self._reducer.synchronize()
+            with step_span():
+                return self._base_class.step(self, closure)
+        self._reducer.finish(self._reducer.close_step(self), mode)
+        return None
+
+    def _step_synchronized(self, closure: Callable[[], Any] | None) -> Any:
+        """`step()` after `synchronize()`: apply the reduced (maybe clipped) gradients."""
+        run, self._synced = self._synced, None
+        if self._reducer.shards is not None:
+            if run is None:
+                raise refuse_unsharded("optimizer.step() inside skip_synchronize() without "
+                                       "synchronize() first")
+            self._reducer.begin_update(self)
+            self._reducer.finish(run, self._mode)
+            return None
+        result = self._base_class.step(self, closure)
+        if self._shard_wanted and self._reducer.transport is not None:
+            self._reducer.start_shards()  # round 1, synchronized by hand, was re-planned
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._reducer.bucketer.active is not None:
+            raise AssertionError(ZERO_GRAD_RACE)
+        self._reducer.updates.zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self._reducer.passes = passes
+
+    # -- asynclock's additions ------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally (like DDP's `no_sync`)."""
+        self._reducer.bucketer.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._reducer.bucketer.no_sync_depth -= 1
+
+    def apply_pending(self) -> None:
+        """Apply every update deferred by forward gating (waits for its buckets)."""
+        self._reducer.updates.flush()
+
+    def set_forward_gate(self, enabled: bool) -> None:
+        """Switch layer-gated forward on or off (it needs `gate_forward=model`)."""
+        if self._gate is None:
+            raise ValueError("forward gating was not set up: pass gate_forward=model")
+        self.apply_pending()
+        self._gate.enabled = enabled
+        self._mode = Finish.DEFERRED if enabled else self._plain_mode()
+
+    def _plain_mode(self) -> Finish:
+        """Sharded: `step()` waits for every bucket as its pieces are updated (the
+        whole-step path would apply the user's optimizer to whole parameters)."""
+        return Finish.PER_BUCKET if self._shard_wanted else Finish.WHOLE
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded, too: the state is a view of the node's window (no rank is asked)."""
+        self.apply_pending()
+        return self._base_class.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.apply_pending()
+        self._base_class.load_state_dict(self, state_dict)  # sharded: a hook fills the window
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's map from each reduced parameter to its name."""
+        registry = self._reducer.registry
+        return dict(zip(registry.params, registry.names, strict=True))
+
+    @property
+    def sharded(self) -> Shards | None:
+        """The node's shared parameters and this rank's pieces, once sharding started."""
+        return self._reducer.shards
+
+    @property
+    def reducer(self) -> Reducer:
+        """The reducer (plan, scheduler statistics) behind this optimizer."""
+        return self._reducer
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
+                         compression: Any = None, backward_passes_per_step: int = 1,
+                         op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = None, *, per_bucket_step: bool = False,
+                         gate_forward: torch.nn.Module | None = None,
+                         tuning: Tuning | None = None, shard_optimizer: bool = False) -> Any:
+    """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks.
+
+    `shard_optimizer=True` (one node, MPI): parameters and optimizer state are kept
+    once per node and each rank updates only the chunks it reduces (`shard`)."""
+    if isinstance(op, str) and op.lower() == "adasum":
+        from .adasum_optimizer import adasum_optimizer
+
+        return adasum_optimizer(optimizer, compression)
+    del sparse_as_dense  # sparse gradients always travel dense here (storage._dense)
+    _refuse_sparse_only_optimizer(optimizer)
+    from .._grad.compression import Compression
+
+    if shard_optimizer:
+        check_shardable(optimizer, compressed=compression not in (None, Compression.none),
+                        process_set=process_set, groups=groups or num_groups)
+    options = {"compression": compression or Compression.none,
+               "backward_passes_per_step": backward_passes_per_step, "op": op,
+               "gradient_predivide_factor": gradient_predivide_factor,
+               "groups": groups if groups is not None else (num_groups or None)}
+    mode = (Finish.DEFERRED if gate_forward is not None
+            else Finish.PER_BUCKET if per_bucket_step or shard_optimizer else Finish.WHOLE)
+    base = optimizer.__class__
+    if not _member_of(process_set):
+        local = type(base.__name__, (base,), dict(_OutsideTheSet.__dict__, _base_class=base))
+        return local(optimizer.param_groups)
+    cls = type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__, _base_class=base))
+    return cls(optimizer.param_groups, named_parameters, options, tuning or Tuning(), mode,
+               gate_forward, process_set, shard_optimizer)
+
+
+class _OutsideTheSet(torch.optim.Optimizer):
+    """A rank outside the optimizer's process set steps on its own gradients, as
+    in Horovod: no hooks, nothing to synchronize."""
+
+    _base_class: type[torch.optim.Optimizer]
+
+    def __init__(self, params: Any) -> None:
+        self._base_class.__init__(self, params)  # type: ignore[call-arg]
+
+    def synchronize(self) -> None:
+        return None
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        return None
+
+
+def _member_of(process_set: Any) -> bool:
+    """This rank belongs to `process_set` (or there is none: the world)."""
+    if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+        return True
+    subset = getattr(process_set, "subset", None)
+    return subset is None or subset.removed or bool(subset.included)
+
+
+def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Reduced gradients come back dense (Horovod's `sparse_as_dense=True`), which
+    SparseAdam refuses at its first step; say so at once, on every rank."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("DistributedOptimizer reduces sparse gradients as dense ones "
+                         "(Horovod's sparse_as_dense=True), and SparseAdam takes sparse "
+                         "gradients only: use torch.optim.Adam (or SGD) instead")
+
+
+_SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer
+
+
+def _lane_for(coord: Any, process_set: Any) -> Lane:
+    """The world's gradient lane, or a process set's own: its members average over the set.
+
+    Members build the optimizer, in the same order; one optimizer per set, so two
+    optimizers' rounds never interleave on one channel."""
+    if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+        return gradient_lane(coord)
+    subset = getattr(process_set, "subset", None)
+    if subset is None or subset.removed:
+        raise ValueError(f"{process_set} is not registered: hvd.add_process_set() it first")
+    if subset.ident in _SERVED:
+        raise ValueError(f"process set {list(subset.ranks)} already has a DistributedOptimizer")
+    _SERVED.add(subset.ident)
+    lane: Lane = subset.grad_lane
+    return lane
+

@@ -1,0 +1,102 @@
+"""Start every rank from rank 0's model and optimizer state (Horovod's helpers).
+
+Async versions take the coordinator and run on its loop; the synchronous
+ones (`broadcast_parameters`, `broadcast_optimizer_state`, as in
+`horovod.torch`) run those on the coordinator's private loop thread. Each
+tensor's broadcast is named after the parameter, so ranks whose models
+differ get a `MismatchError` naming it instead of silently mixing tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..._core.engine.handle import Handle
+from ..._core.runtime import coordinator as runtime
+
+
+def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    """A state_dict, named_parameters() or a plain list of tensors, as Horovod takes."""
+    if isinstance(params, dict):
+        items: Iterable[Any] = sorted(params.items())
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (f"param.{n}", p) for n, p in enumerate(params)]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    return [(str(k), v.data if isinstance(v, torch.nn.Parameter) else v)
+            for k, v in items if isinstance(v, torch.Tensor)]
+
+
+async def broadcast_parameters_async(coord: runtime.Coordinator, params: Any,
+                                     root_rank: int = 0) -> None:
+    """Overwrite every tensor in `params` with root's, in place, all in flight at once."""
+    handles: list[Handle] = []
+    for name, tensor in _named_tensors(params):
+        handles.append(coord.broadcast_async_(tensor, root_rank, name=name))
+    for h in handles:
+        await h
+
+
+async def broadcast_optimizer_state_async(coord: runtime.Coordinator,
+                                          optimizer: torch.optim.Optimizer,
+                                          root_rank: int = 0, model: Any = None) -> None:
+    """Root's optimizer state (buffers and hyperparameters) on every rank.
+
+    As in Horovod, a rank whose optimizer has no state yet first creates it with
+    one local step on zero gradients (`create_missing_state`), so that root's
+    buffers have somewhere to go; then the whole state dict (hyperparameters too,
+    also for a stateless optimizer) is broadcast and loaded.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    create_missing_state(optimizer, model)
+    state = optimizer.state_dict() if coord.rank == root_rank else None
+    state = await coord.broadcast_object(state, root_rank, name="optimizer.state")
+    if coord.rank != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def create_missing_state(optimizer: torch.optim.Optimizer, model: Any = None) -> None:
+    """An optimizer without state takes one local step with every trainable
+    parameter's gradient set to zeros (sparse ones where the optimizer or the
+    model's sparse embeddings want them), as Horovod does before broadcasting.
+
+    A `DistributedOptimizer` steps as its wrapped class: its own `step()` would
+    reduce gradients, a collective that ranks whose state exists never join. A
+    sharded one keeps its state in the node's window and is left alone.
+    """
+    if optimizer.state_dict()["state"] or getattr(optimizer, "sharded", None) is not None:
+        return
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            zeros = torch.zeros_like(p)
+            if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                p.grad = zeros.to_sparse()
+            elif p.grad is not None and p.grad.layout == torch.strided:
+                p.grad.zero_()  # a DistributedOptimizer's bucket view stays in place
+            else:
+                p.grad = zeros
+    local_class: type[torch.optim.Optimizer] = getattr(type(optimizer), "_base_class",
+                                                       type(optimizer))
+    local_class.step(optimizer)
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+    """`hvd.broadcast_parameters(model.state_dict(), root_rank=0)`."""
+    coord = runtime.coordinator()
+    coord.run_sync(broadcast_parameters_async, coord, params, root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: Any = None) -> None:
+    """`hvd.broadcast_optimizer_state(optimizer, root_rank=0)`."""
+    coord = runtime.coordinator()
+    coord.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank, model)
