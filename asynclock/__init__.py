@@ -4,6 +4,9 @@
         total = await coord.allreduce(tensor)
 
 Importing asynclock initialises nothing: MPI starts at `init()`/`start()`.
+
+Reduction operators (members of `ReduceOp`, for `op=`): `Sum`, `Average`, `Min`, `Max`,
+`Product`.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ __all__ = [
     "RemoteInputError", "ShutdownError", "StallError", "Sum", "UnmatchedError",
     "coordinator", "cross_rank", "cross_size", "init", "is_initialized", "local_rank",
     "local_size", "rank", "shutdown", "size", "start",
-    # cross-rank primitives, checkpoints, data (issue 5)
+    # cross-rank primitives, checkpoints, data
     "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "JoinedError",
     "Lock",
     "Semaphore", "Sequential", "ShardSampler", "find_latest",

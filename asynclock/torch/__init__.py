@@ -13,6 +13,11 @@
 The async API for custom loops is `coord.train_step(optimizer)` (see
 `asynclock.torch._grad.step`). Gradients travel in agreed, overlapped buckets
 (see `asynclock.torch._grad.reducer`).
+
+Reduction operators, as in Horovod (`op=`; the default is Average): `Sum`, `Average`,
+`Min`, `Max`, `Product`, and `Adasum` (for `allreduce` and `DistributedOptimizer`:
+Horovod's adaptive summation, computed from an allgather).
+`global_process_set` is the process set of all ranks (id 0), the default `process_set=`.
 """
 
 from __future__ import annotations
@@ -115,40 +120,54 @@ def shutdown() -> None:
 
 
 def mpi_threads_supported() -> bool:
+    """True when asynclock's MPI transport runs with MPI_THREAD_MULTIPLE, like Horovod's
+    (False on the other transports)."""
     backend = runtime.coordinator().backend
     level = getattr(backend, "thread_level", None)
     return level is not None and level >= 3  # MPI_THREAD_MULTIPLE
 
 
 def mpi_enabled() -> bool:
+    """True when collectives run on asynclock's MPI transport (mpi4py), False on the
+    Horovod or single-process ones."""
     return runtime.coordinator().backend.name == "mpi"
 
 
 def mpi_built() -> bool:
+    """True, as for a Horovod built with MPI: MPI (mpi4py) is asynclock's transport."""
     return True
 
 
 def gloo_enabled() -> bool:
+    """False: asynclock's own transport is MPI (also when its Horovod transport runs
+    Horovod's Gloo controller)."""
     return False
 
 
 def gloo_built() -> bool:
+    """False, as for a Horovod built without Gloo: asynclock's own transport is MPI."""
     return False
 
 
 def nccl_built() -> int:
+    """0, as for a Horovod built without NCCL: asynclock does not use NCCL."""
     return 0
 
 
 def cuda_built() -> bool:
+    """False, as for a Horovod built without GPU ops; collectives take CUDA tensors all the
+    same, staged through pinned host memory or handed to a CUDA-aware MPI (see
+    `asynclock.cuda`)."""
     return False
 
 
 def rocm_built() -> bool:
+    """False, as for a Horovod built without ROCm ops."""
     return False
 
 
 def is_homogeneous() -> bool:
+    """True, without checking (Horovod reports whether every host runs as many ranks)."""
     return True
 
 

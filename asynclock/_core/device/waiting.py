@@ -46,8 +46,6 @@ from ..base.from_thread import loop_caller
 from .device import active_torch, blocking_event
 
 
-def _env_us(name: str, default_us: float) -> float:
-    return env_float(name, default_us) * 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +60,9 @@ class WaitPolicy:
 
     @classmethod
     def from_env(cls) -> WaitPolicy:
-        mode = os.environ.get("ASYNCLOCK_CUDA_WAIT", "auto")
-        if mode not in MODES:
-            raise ValueError(f"ASYNCLOCK_CUDA_WAIT={mode!r}: use one of {', '.join(MODES)}")
-        return cls(mode=mode, busy_s=_env_us("ASYNCLOCK_CUDA_BUSY_US", 1000),
-                   max_sleep_s=_env_us("ASYNCLOCK_CUDA_MAX_SLEEP_US", 2000))
+        return cls(mode=settings.text("ASYNCLOCK_CUDA_WAIT"),
+                   busy_s=settings.number("ASYNCLOCK_CUDA_BUSY_US") * 1e-6,
+                   max_sleep_s=settings.number("ASYNCLOCK_CUDA_MAX_SLEEP_US") * 1e-6)
 
     def next_sleep(self, waited: float) -> float:
         """0 (a bare yield) while busy, then a sleep growing with the wait."""
@@ -101,6 +97,8 @@ _POLICY: WaitPolicy | None = None
 
 
 def statistics() -> WaitStatistics:
+    """This process's `wait` counts so far: calls, those that returned at once, event
+    queries, waits handed to a helper thread, and waits in progress now."""
     c = _COUNT
     return WaitStatistics(c.waits, c.immediate, c.queries, c.thread_waits, c.in_progress)
 

@@ -86,7 +86,7 @@ def choose_backend(name: str) -> str:
     node, measured), and the MPI transport needs no Horovod at all.
     `ASYNCLOCK_BACKEND=horovod` still picks Horovod there.
     """
-    name = os.environ.get("ASYNCLOCK_BACKEND", name) if name == "auto" else name
+    name = settings.text("ASYNCLOCK_BACKEND") if name == "auto" else name
     if name != "auto":
         return name
     if under_horovodrun() and not mpi_world_launched() and _horovod_importable():
@@ -396,6 +396,7 @@ def coordinator() -> Coordinator:
 
 
 def is_initialized() -> bool:
+    """True between `init()`/`start()` and `shutdown()`, like `hvd.is_initialized()`."""
     return _global is not None and not _global._closed
 
 
@@ -433,26 +434,35 @@ async def start(backend: str = "auto", *, comm: Any = None,
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to `size() - 1`, like `hvd.rank()`."""
     return coordinator().rank
 
 
 def size() -> int:
+    """The number of ranks in the job, like `hvd.size()`."""
     return coordinator().size
 
 
 def local_rank() -> int:
+    """This rank's index among the ranks on its host, like `hvd.local_rank()`
+    (`asynclock.cuda.set_device` picks the GPU from it)."""
     return coordinator().local_rank
 
 
 def local_size() -> int:
+    """The number of ranks on this rank's host, like `hvd.local_size()`."""
     return coordinator().local_size
 
 
 def cross_rank() -> int:
+    """This rank's index among the ranks that share its local rank, one per host (the
+    host's index when every host runs as many ranks), like `hvd.cross_rank()`."""
     return coordinator().cross_rank
 
 
 def cross_size() -> int:
+    """The number of ranks that share this rank's local rank (the number of hosts when
+    every host runs as many ranks), like `hvd.cross_size()`."""
     return coordinator().cross_size
 
 

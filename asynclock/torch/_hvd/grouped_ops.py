@@ -94,12 +94,16 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """In-place `grouped_allreduce`: write each reduction into its tensor (all in
+    flight together) and return the tensors."""
     return _results(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                              postscale_factor, process_set))
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: Any = None) -> int:
+    """Start `grouped_allgather`; one handle for the group, whose `synchronize`
+    returns each tensor concatenated over ranks along dim 0."""
     api = api_of(process_set)
     starts = [_gather_start(api, t.contiguous(), _part(name, n)) for n, t in enumerate(tensors)]
     return _start_group(starts, [_same] * len(tensors))

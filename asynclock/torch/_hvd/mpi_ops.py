@@ -173,12 +173,16 @@ def then(n: int, step: Post) -> int:
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
+    """In-place `allreduce`: write the reduction over all ranks into `tensor` and
+    return it (Average unless `average=False` or `op`)."""
     return tensor.copy_(allreduce(tensor, average, name, Compression.none, op,
                                   prescale_factor, postscale_factor, process_set))
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+    """Start `allgather`; `synchronize` returns every rank's tensor concatenated along
+    dim 0."""
     api = api_of(process_set)
     return _register(_start_async(lambda: api.allgather_async(tensor.contiguous(), name=name)),
                      lambda out: out)
@@ -191,6 +195,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> int:
+    """Start `broadcast`; `synchronize` returns root's tensor as a new tensor."""
     api, root = api_of(process_set), root_of(process_set, root_rank)
     start = _start_async(lambda: api.broadcast_async(tensor.contiguous(), root, name=name))
     return _register(start, lambda out: out)
@@ -204,6 +209,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> int:
+    """Start `broadcast_`; `synchronize` overwrites `tensor` with root's and returns it."""
     api, root = api_of(process_set), root_of(process_set, root_rank)
     return _register(_start_async(lambda: api.broadcast_async_(tensor, root, name=name)),
                      lambda out: tensor)
@@ -272,6 +278,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
 
 
 def barrier(process_set: Any = None) -> None:
+    """Return once every rank of `process_set` (default: all ranks) called `barrier`."""
     api = api_of(process_set)
     runtime.coordinator().run_sync(api.barrier)
 

@@ -25,6 +25,7 @@ class ProcessSet:
         self.subset: Subset | None = None
 
     def size(self) -> int | None:
+        """The number of ranks in the set (None once it is removed)."""
         return None if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int | None:
@@ -32,9 +33,11 @@ class ProcessSet:
         return None if self.subset is None else self.subset.rank
 
     def included(self) -> bool | None:
+        """Whether this process belongs to the set (None before it is added)."""
         return None if self.subset is None else self.subset.included
 
     def invalidate(self) -> None:
+        """Forget id, ranks and channel, as `remove_process_set` does."""
         self.process_set_id, self.ranks, self.subset = None, None, None
 
     def __str__(self) -> str:
@@ -83,12 +86,15 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """The added `ProcessSet` with this id (0 is `global_process_set`); ValueError
+    for an unknown id, as in Horovod."""
     if process_set_id not in _by_id:
         raise ValueError(f"No known process set with id {process_set_id}")
     return _by_id[process_set_id]
 
 
 def process_sets() -> list[ProcessSet]:
+    """The process sets added and not removed, by id (`global_process_set`, id 0, first)."""
     return [_by_id[i] for i in sorted(_by_id)]
 
 
