@@ -48,6 +48,8 @@ from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any
 
+from ._core.base import settings
+
 # The file side of the timeline, re-exported so `timeline.merge(...)` works.
 from ._tools.timeline_merge import MergeResult as MergeResult
 from ._tools.timeline_merge import merge as merge
@@ -218,7 +220,7 @@ def start(prefix: str | os.PathLike[str] | None = None, *, rank: int | None = No
           size: int | None = None) -> Timeline:
     """Record this rank's events under `prefix` (default: $ASYNCLOCK_TIMELINE)."""
     global _resolved
-    prefix = prefix if prefix is not None else os.environ.get(ENV)
+    prefix = prefix if prefix is not None else settings.text(ENV)
     if not prefix:
         raise ValueError(f"timeline.start() needs a path prefix (or set {ENV})")
     with _switch:
@@ -274,7 +276,7 @@ def _start_from_env() -> None:
     global _resolved
     with _switch:
         if not _resolved:
-            prefix = os.environ.get(ENV)
+            prefix = settings.text(ENV)
             if prefix:
                 _open(prefix, None, None)
             _resolved = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..base import settings
 from ..base.errors import CollectiveTimeout, MismatchError
 from ..base.header import Call
 from ..base.ops import Kind
@@ -23,8 +24,8 @@ from ..engine.progress import Engine
 
 def fingerprint(engine: Engine, backend: str, size: int) -> dict[str, Any]:
     """What must be identical on every rank."""
-    return {"asynclock": __version__, "backend": backend,
-            "thread_min_bytes": engine.policy.thread_min_bytes, "size": size}
+    return {"asynclock": __version__, "backend": backend, "size": size,
+            "thread_min_bytes": engine.policy.thread_min_bytes, **settings.agreed()}
 
 
 def agree_config(engine: Engine, lane: Lane, backend: str, timeout: float = 120.0) -> None:

@@ -15,11 +15,12 @@ leaves it to a program that uses `faulthandler.dump_traceback_later`.
 from __future__ import annotations
 
 import faulthandler
-import os
+
+from . import settings
 
 
 def enabled() -> bool:
-    return os.environ.get("ASYNCLOCK_FROZEN_DUMP", "1") != "0"
+    return settings.flag("ASYNCLOCK_FROZEN_DUMP")
 
 
 def arm(seconds: float) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import settings
+
 _LOCAL_RANK_ENV = ("ASYNCLOCK_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                    "PMI_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
                    "HOROVOD_LOCAL_RANK", "LOCAL_RANK")
@@ -65,7 +67,7 @@ def available() -> bool:
 def env_local_rank() -> int:
     """The node-local rank from the launcher's environment (0 when unknown)."""
     for name in _LOCAL_RANK_ENV:
-        value = os.environ.get(name)
+        value = settings.text(name) if name.startswith("ASYNCLOCK_") else os.environ.get(name)
         if value is not None and value.strip().isdigit():
             return int(value)
     return 0

@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import settings
+
 _MPIX_GPU_SUPPORT_CUDA = 0
 
 
@@ -136,7 +138,7 @@ def cuda_support() -> CudaSupport:
 def _detect(MPI: Any) -> CudaSupport:  # noqa: N803
     library = _library(MPI)
     aware, how = _aware(MPI, library)
-    forced = os.environ.get("ASYNCLOCK_CUDA_DIRECT", "auto")
+    forced = settings.text("ASYNCLOCK_CUDA_DIRECT")
     if forced in ("0", "1"):
         return CudaSupport(library, aware, forced == "1", f"{how}; ASYNCLOCK_CUDA_DIRECT={forced}")
     return CudaSupport(library, aware, aware and library == "mpich", how)

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..base import settings
 from ..base.header import HEADER_BYTES, SLOT_BYTES
 from ..base.ops import DTYPE_CODES, ReduceOp
 
@@ -47,7 +48,7 @@ def built_path(tag: str | None = None) -> Path:
 
 def load() -> ModuleType | None:
     """The extension built for this MPI and this source, or None (Python path)."""
-    if os.environ.get("ASYNCLOCK_FASTPATH", "1") == "0":
+    if not settings.flag("ASYNCLOCK_FASTPATH"):
         return None
     path = built_path()
     if not path.exists() or path.stat().st_mtime < SOURCE.stat().st_mtime:

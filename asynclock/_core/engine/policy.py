@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base.env import env_float
+from ..base import settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +28,8 @@ class ProgressPolicy:
 
     @classmethod
     def from_env(cls) -> ProgressPolicy:
-        return cls(spin_s=env_float("ASYNCLOCK_SPIN_US", 200) * 1e-6,
-                   max_spin_s=env_float("ASYNCLOCK_MAX_SPIN_US", 1000) * 1e-6,
-                   busy_s=env_float("ASYNCLOCK_BUSY_US", 2000) * 1e-6,
-                   thread_min_bytes=int(env_float("ASYNCLOCK_THREAD_MIN_BYTES", 1 << 20)),
-                   stray_s=env_float("ASYNCLOCK_STRAY_S", 10.0))
+        return cls(spin_s=settings.number("ASYNCLOCK_SPIN_US") * 1e-6,
+                   max_spin_s=settings.number("ASYNCLOCK_MAX_SPIN_US") * 1e-6,
+                   busy_s=settings.number("ASYNCLOCK_BUSY_US") * 1e-6,
+                   thread_min_bytes=int(settings.number("ASYNCLOCK_THREAD_MIN_BYTES")),
+                   stray_s=settings.number("ASYNCLOCK_STRAY_S"))

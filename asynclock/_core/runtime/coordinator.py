@@ -23,6 +23,7 @@ import anyio.lowlevel
 from ..api.agreement import agree_config
 from ..api.collectives import Collectives, LaneCollectives
 from ..api.process_sets import Subset, make_subset, remove_subset
+from ..base import settings
 from ..base.errors import NotInitializedError, ShutdownError
 from ..base.from_thread import name_os_thread
 from ..device import device
@@ -82,8 +83,8 @@ def choose_backend(name: str) -> str:
 
     Where an MPI launcher started the ranks (`horovodrun --mpi` runs `mpirun`),
     MPI is chosen even under horovodrun: Horovod's background thread negotiates
-    every cycle whether or not it has work (~40% of a core per rank on a 2-core
-    node, measured), and the MPI transport needs no Horovod at all.
+    every cycle whether or not it has work (a large share of a core per rank on a
+    small node: see the benchmarks page), and the MPI transport needs no Horovod.
     `ASYNCLOCK_BACKEND=horovod` still picks Horovod there.
     """
     name = settings.text("ASYNCLOCK_BACKEND") if name == "auto" else name
@@ -302,7 +303,7 @@ class Coordinator(Collectives, SyncPrimitives):
 
         The caller's thread is blocked meanwhile, so latency is all that counts:
         the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
-        1 ms sleeps (hvd.allreduce of 4 B at 2 ranks: 1.6 ms with backoff).
+        1 ms sleeps, which would add most of a sleep to every small call.
         """
         result: T = self._sync_portal().call(self._eagerly, fn, *args)
         return result
@@ -347,6 +348,8 @@ class Coordinator(Collectives, SyncPrimitives):
         if self.watchdog is not None:
             self.watchdog.close()  # tells the peers `closing` before the comms go
         self.backend.shutdown()
+        if self is _global:
+            settings.forget()
 
     async def __aenter__(self) -> Coordinator:
         self._running_cm = self.running()
@@ -376,6 +379,7 @@ def init(backend: str = "auto", *, comm: Any = None,
     """Create this rank's coordinator (idempotent), like `hvd.init()`."""
     global _global
     if _global is None or _global._closed:
+        settings.load()  # every ASYNCLOCK_* setting is read and checked here, once
         chosen = choose_backend(backend)
         _global = Coordinator(make_backend(chosen, comm), policy)
         agree_config(_global.engine, _global._lane, _global.backend.name)

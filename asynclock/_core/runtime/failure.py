@@ -38,6 +38,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from ..base import settings
 from .exits import EXIT_INTERRUPTED, EXIT_UNCAUGHT, hard_exit, write_stderr
 
 if TYPE_CHECKING:
@@ -57,9 +58,7 @@ _live: LiveRank | None = None
 
 def policy() -> str:
     """`abort` (default: one failing rank stops the job) or `raise`."""
-    value = os.environ.get("ASYNCLOCK_ON_ERROR", "abort").strip().lower()
-    if value not in ("abort", "raise"):
-        raise ValueError(f"ASYNCLOCK_ON_ERROR={value!r}: use 'abort' or 'raise'")
+    value = settings.text("ASYNCLOCK_ON_ERROR")
     return value
 
 

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import settings
 from ..base import stack_dump as frozen
-from ..base.env import env_float
 from ..base.errors import RankFailedError, StallError
 from ..base.from_thread import name_os_thread
 from ..engine.progress import Engine, EngineSnapshot, InflightOp
@@ -71,11 +70,11 @@ class WatchdogPolicy:
 
     @classmethod
     def from_env(cls) -> WatchdogPolicy:
-        return cls(env_float("ASYNCLOCK_HEARTBEAT_S", 0.5),
-                   env_float("ASYNCLOCK_DEAD_AFTER_S", 10.0),
-                   env_float("ASYNCLOCK_STALL_WARN_S", 60.0),
-                   env_float("ASYNCLOCK_STALL_ABORT_S", 0.0),
-                   env_float("ASYNCLOCK_FAILURE_GRACE_S", 2.0))
+        return cls(settings.number("ASYNCLOCK_HEARTBEAT_S"),
+                   settings.number("ASYNCLOCK_DEAD_AFTER_S"),
+                   settings.number("ASYNCLOCK_STALL_WARN_S"),
+                   settings.number("ASYNCLOCK_STALL_ABORT_S"),
+                   settings.number("ASYNCLOCK_FAILURE_GRACE_S"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +197,7 @@ class Watchdog:
     def start_for(cls, backend: Any, engine: Engine, rank: int, size: int) -> Watchdog | None:
         """Start one when the transport has a heartbeat link and peers."""
         link: HeartbeatLink | None = getattr(backend, "watchdog_link", None)
-        if link is None or size <= 1 or os.environ.get("ASYNCLOCK_WATCHDOG") == "0":
+        if link is None or size <= 1 or not settings.flag("ASYNCLOCK_WATCHDOG"):
             return None
         if link.needs_thread_multiple and not _thread_multiple():
             log.warning("asynclock[rank %d]: MPI is not MPI_THREAD_MULTIPLE: no heartbeats, "

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
 import sniffio
 
-from ..base.env import env_float
+from ..base import settings
 from ._wire import M
 
 Msg = Sequence[int]
@@ -31,9 +30,9 @@ class SyncPolicy:
 
     @classmethod
     def from_env(cls) -> SyncPolicy:
-        return cls(stall_s=env_float("ASYNCLOCK_SYNC_STALL_S", 30.0),
-                   probe_s=env_float("ASYNCLOCK_SYNC_PROBE_S", 10.0),
-                   lease=os.environ.get("ASYNCLOCK_SYNC_LEASE", "1") != "0")
+        return cls(stall_s=settings.number("ASYNCLOCK_SYNC_STALL_S"),
+                   probe_s=settings.number("ASYNCLOCK_SYNC_PROBE_S"),
+                   lease=settings.flag("ASYNCLOCK_SYNC_LEASE"))
 
 
 def any_task() -> object:

@@ -32,7 +32,6 @@ node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -42,19 +41,24 @@ from typing import Any
 
 import numpy as np
 
+from ..base import settings
 from ..base.ops import ReduceOp
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
 # Without a probe (ASYNCLOCK_BULK=gloo): from 16 MiB. With MPICH over TCP gloo gained
 # only from there (4 MiB: +2 ms per call); with Open MPI 4 it halved 4 MiB already.
-GLOO_MIN_BYTES = int(os.environ.get("ASYNCLOCK_GLOO_MIN_BYTES", 16 << 20))
 SETUP_TIMEOUT = timedelta(seconds=60)
 OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
 
 
 def mode() -> str:
-    return os.environ.get("ASYNCLOCK_BULK", "auto")
+    return settings.text("ASYNCLOCK_BULK")
+
+
+def gloo_min_bytes() -> int:
+    """Without a probe (ASYNCLOCK_BULK=gloo): the smallest allreduce gloo takes."""
+    return int(settings.number("ASYNCLOCK_GLOO_MIN_BYTES"))
 
 
 def _gloo_usable() -> bool:
@@ -82,7 +86,7 @@ class GlooStore:
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size = store, rank, size
         self._made = 0
-        self.min_bytes: int | None = GLOO_MIN_BYTES  # the probe may lower it
+        self.min_bytes: int | None = gloo_min_bytes()  # the probe may lower it
 
     @classmethod
     def connect(cls, comm: Any, spans: bool) -> tuple[GlooStore | None, str]:

@@ -6,11 +6,11 @@ validate the same knobs the same way.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..._core.base import settings
 from ..._core.base.ops import ReduceOp, as_reduce_op
 from ..._core.engine.progress import ProgressPolicy
 from .buckets import Caps
@@ -30,7 +30,7 @@ class Tuning:
     priority: bool | None = None  # None: on exactly when forward gating is on
     replan: bool = True
     shm: bool = True  # shared-memory buckets when every rank is on one node (MPI)
-    stall_s: float = float(os.environ.get("ASYNCLOCK_STALL_S", "60"))
+    stall_s: float = field(default_factory=lambda: settings.number("ASYNCLOCK_STALL_S"))
     timeout_s: float | None = None
 
 
@@ -46,9 +46,9 @@ def training_policy() -> ProgressPolicy:
     ASYNCLOCK_BUSY_US and ASYNCLOCK_SPIN_US still win when set.
     """
     policy = ProgressPolicy.from_env()
-    if "ASYNCLOCK_BUSY_US" not in os.environ:
+    if not settings.is_set("ASYNCLOCK_BUSY_US"):
         policy = replace(policy, busy_s=2e-4)
-    if "ASYNCLOCK_SPIN_US" not in os.environ:
+    if not settings.is_set("ASYNCLOCK_SPIN_US"):
         policy = replace(policy, spin_s=5e-5)
     return policy
 

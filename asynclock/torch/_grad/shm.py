@@ -21,7 +21,6 @@ buckets go as plain MPI allreduces, which joined ranks stand in for.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..._core.base import settings
 from ..._core.base.errors import JoinedError
 from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
@@ -51,7 +51,7 @@ __all__ = ["SharedArena", "ShmTransport", "chunk", "eligible"]
 def eligible(coord: Any, lane: Lane) -> bool:
     """One node, MPI underneath, threads allowed to call MPI, not switched off."""
     backend = coord.backend
-    return (os.environ.get("ASYNCLOCK_SHM", "1") != "0" and backend.name == "mpi"
+    return (settings.flag("ASYNCLOCK_SHM") and backend.name == "mpi"
             and coord.size > 1 and coord.local_size == coord.size
             and getattr(backend, "thread_level", 0) >= 3 and hasattr(lane.transport, "data"))
 

@@ -1,0 +1,255 @@
+"""Every `ASYNCLOCK_*` environment variable, declared once.
+
+Each `Setting` says its name, type, default, meaning, who reads it and whether
+every rank of a job must have the same value. The declaration serves three
+readers:
+
+* the ranks: `load()` reads every rank-side variable when a coordinator
+  starts (never at import), checks each value against its type and choices,
+  and keeps that snapshot until `forget()` at shutdown; `number`, `text` and
+  `flag` answer from it (from the environment as it is now when no
+  coordinator runs, e.g. in a unit test);
+* the start-up agreement, which compares `agreed()` across ranks, so a job
+  whose ranks were given different values of a setting that changes which
+  messages travel fails at once, naming the ranks;
+* the docs: `markdown_table()` is the table of docs/reference/environment.md
+  (a test fails when the two differ).
+
+The launcher, the MPI kit and the test suite read their variables themselves
+(some run before asynclock is importable); they are declared here so that one
+table lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["DECLARED", "Setting", "agreed", "flag", "forget", "is_set", "load", "markdown_table",
+           "number", "text"]
+
+RANK, LAUNCH, TESTS = "rank", "launch", "tests"  # who reads a variable
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    kind: str  # "number", "text", "flag" (0 or 1) or "path"
+    default: str  # as written in the environment; "" means unset
+    meaning: str
+    agree: bool = False  # every rank of a job must have the same value
+    scope: str = RANK
+    choices: tuple[str, ...] = ()
+
+
+def _s(name: str, kind: str, default: str, meaning: str, *, agree: bool = False,
+       scope: str = RANK, choices: tuple[str, ...] = ()) -> Setting:
+    return Setting(f"ASYNCLOCK_{name}", kind, default, meaning, agree, scope, choices)
+
+
+DECLARED: tuple[Setting, ...] = (
+    # -- which transport, and which messages travel: identical on every rank -------------
+    _s("BACKEND", "text", "auto", "The transport when `init()`/`start()` get `auto`.",
+       agree=True, choices=("auto", "mpi", "horovod", "local")),
+    _s("THREAD_MIN_BYTES", "number", "1048576", "Data stages at least this big are waited "
+       "for in the lane's wait thread, on the bulk communicator.", agree=True),
+    _s("BULK", "text", "auto", "Bulk allreduces across hosts: gloo where it measures faster "
+       "(`auto`), always MPI, or always gloo.", agree=True, choices=("auto", "mpi", "gloo")),
+    _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
+       "take.", agree=True),
+    _s("SHM", "flag", "1", "Gradient buckets through the node's shared-memory window when "
+       "every rank is on one node.", agree=True),
+    _s("SYNC_LEASE", "flag", "1", "Locks may stay cached at the rank that used them last "
+       "(0: every acquire asks the lock's home rank).", agree=True),
+    _s("WATCHDOG", "flag", "1", "Heartbeats between ranks and the stall inspector.",
+       agree=True),
+    _s("ON_ERROR", "text", "abort", "An uncaught error on one rank stops every rank "
+       "(`abort`), or only propagates (`raise`).", agree=True, choices=("abort", "raise")),
+    # -- the progress engine ----------------------------------------------------------------
+    _s("SPIN_US", "number", "200", "Microseconds a caller spins on a small collective before "
+       "the poller takes it."),
+    _s("MAX_SPIN_US", "number", "1000", "Ceiling of the spin the engine adapts per lane."),
+    _s("BUSY_US", "number", "2000", "Microseconds the poller keeps testing after progress "
+       "before it sleeps."),
+    _s("STRAY_S", "number", "10", "Seconds a call awaited by this rank may wait to be matched "
+       "by name before the rank reports it cannot proceed (all ranks stuck: every waiting "
+       "call fails with UnmatchedError)."),
+    _s("FASTPATH", "flag", "1", "The C header round for small collectives (0: the Python "
+       "one; the wire protocol is the same)."),
+    # -- faults and stalls ------------------------------------------------------------------
+    _s("HEARTBEAT_S", "number", "0.5", "Seconds between heartbeats."),
+    _s("DEAD_AFTER_S", "number", "10", "A peer silent this long is taken for dead."),
+    _s("STALL_WARN_S", "number", "60", "A collective waiting this long is reported with the "
+       "ranks that have not issued it."),
+    _s("STALL_ABORT_S", "number", "0", "A collective waiting this long stops the job "
+       "(0: never)."),
+    _s("FAILURE_GRACE_S", "number", "2", "Seconds a failing job gives its ranks to print "
+       "and leave before they are ended."),
+    _s("FROZEN_DUMP", "flag", "1", "A rank whose watchdog cannot run prints its own stacks "
+       "before its peers give up on it."),
+    _s("STALL_S", "number", "60", "Gradient rounds: seconds `synchronize()` waits for a "
+       "bucket before it names the missing ranks."),
+    # -- sync primitives --------------------------------------------------------------------
+    _s("SYNC_STALL_S", "number", "30", "A sync primitive waiting this long probes the ranks "
+       "it depends on."),
+    _s("SYNC_PROBE_S", "number", "10", "A probed rank that does not answer within this is "
+       "reported failed."),
+    _s("SYNC_COLD_SLEEP_US", "number", "100000", "Longest sleep of the sync message pump "
+       "while nothing happens."),
+    # -- CUDA ---------------------------------------------------------------------------------
+    _s("CUDA_DIRECT", "text", "auto", "Allreduces on device memory straight to a CUDA-aware "
+       "MPI (1), never (0), or where the MPI supports it.", choices=("auto", "0", "1")),
+    _s("CUDA_WAIT", "text", "auto", "How `asynclock.cuda.wait` waits for GPU work: poll, a "
+       "thread, or poll then a thread.", choices=("auto", "poll", "thread")),
+    _s("CUDA_BUSY_US", "number", "1000", "Microseconds `cuda.wait` polls tightly."),
+    _s("CUDA_MAX_SLEEP_US", "number", "2000", "Longest sleep between polls of `cuda.wait`."),
+    _s("LOCAL_RANK", "number", "", "This rank's index on its node, where the launcher sets "
+       "none of its own."),
+    # -- recording ----------------------------------------------------------------------------
+    _s("TIMELINE", "path", "", "Record a Chrome-trace timeline to this prefix (one file per "
+       "rank, merged at the end)."),
+    # -- the launcher and the MPI kit ---------------------------------------------------------
+    _s("MPI", "text", "auto", "Which MPI the kit and `asynclock-launch` use.", scope=LAUNCH,
+       choices=("auto", "embedded", "system")),
+    _s("MPI_SELECT", "path", "", "Where `asynclock-launch` finds mpi/mpi_select.py.",
+       scope=LAUNCH),
+    _s("VENV", "path", "", "The virtual environment whose MPI the kit describes.",
+       scope=LAUNCH),
+    _s("CACHE", "path", "~/.cache/asynclock", "Build cache (Open MPI shims, Horovod, the C "
+       "round).", scope=LAUNCH),
+    _s("SETUP_SYSTEM_MPI", "flag", "0", "`launch/setup.sh` installs Debian's Open MPI (root; "
+       "`launch/test.sh` sets it as root).", scope=LAUNCH),
+    _s("SETUP_HOROVOD", "flag", "0", "`launch/setup.sh` builds Horovod 0.28.1 against torch "
+       "and the system MPI.", scope=LAUNCH),
+    _s("APT_MAX_AGE_H", "number", "24", "Hours before the Open MPI installer refreshes the "
+       "package lists.", scope=LAUNCH),
+    _s("TIMEOUT_S", "number", "3300", "Time limit of the Slurm recipe's job "
+       "(launch/slurm.sbatch).", scope=LAUNCH),
+    # -- the test suite and the benchmarks ----------------------------------------------------
+    _s("TEST_MPI", "text", "auto", "The MPI the test suite starts its jobs with.", scope=TESTS,
+       choices=("auto", "embedded", "system")),
+    _s("TEST_BACKENDS", "text", "mpi,horovod", "Backends the torch tests run on.",
+       scope=TESTS),
+    _s("CONFORMANCE_TARGET", "text", "asynclock", "What Horovod's own tests run against.",
+       scope=TESTS, choices=("asynclock", "horovod")),
+    _s("CONFORMANCE_SELECT", "text", "", "A pytest -k expression for Horovod's tests.",
+       scope=TESTS),
+    _s("CONFORMANCE_FROM", "text", "", "Run Horovod's tests from this one on.", scope=TESTS),
+    _s("CONFORMANCE_LOG", "path", "", "Per-rank outcome log of Horovod's tests (set by the "
+       "runner).", scope=TESTS),
+    _s("CONFORMANCE_TIMEOUT_METHOD", "text", "signal", "pytest-timeout's method per test.",
+       scope=TESTS, choices=("signal", "thread")),
+    _s("NETRIG", "path", "", "The netrig tool (default: ../shared/netrig).", scope=TESTS),
+    _s("NETRIG_TESTS", "flag", "1", "Run the tests across network-namespace hosts.",
+       scope=TESTS),
+    _s("NETRIG_LOCK", "path", "/tmp/asynclock-netrig.lock", "Lock file that keeps two rigs "
+       "apart.", scope=TESTS),
+    _s("GPU_PYTHON", "path", "", "The Python with CUDA torch for tests/gpu/run.sh.",
+       scope=TESTS),
+    _s("REQUIRE_GPU", "flag", "0", "GPU tests fail instead of skipping without CUDA.",
+       scope=TESTS),
+    _s("WHEELS", "path", "wheels/", "Wheel folder of tests/gpu/run.sh.", scope=TESTS),
+    _s("GPU_BUDGET_S", "number", "450", "Seconds tests/gpu/run.sh may spend on the GPU "
+       "machine.", scope=TESTS),
+    _s("GPU_LOGS", "path", ".gpu-logs/", "Where tests/gpu/run.sh writes its logs.",
+       scope=TESTS),
+    _s("BENCH_HOROVOD", "flag", "1", "bench/collectives.py loads Horovod as a peer.",
+       scope=TESTS),
+)
+
+_BY_NAME = {s.name: s for s in DECLARED}
+_snapshot: dict[str, str] | None = None
+_given: frozenset[str] = frozenset()  # names the snapshot's environment set
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared asynclock setting") from None
+
+
+def _checked(setting: Setting, raw: str) -> str:
+    """The value to use (the default when unset or empty), or a ValueError naming it."""
+    value = raw.strip() or setting.default
+    if setting.kind == "number" and value:
+        try:
+            float(value)
+        except ValueError:
+            raise ValueError(f"{setting.name}={raw!r} is not a number") from None
+    if setting.kind == "flag" and value not in ("0", "1"):
+        raise ValueError(f"{setting.name}={raw!r}: use 0 or 1")
+    if setting.choices and value not in setting.choices:
+        raise ValueError(f"{setting.name}={raw!r}: use one of {', '.join(setting.choices)}")
+    return value
+
+
+def load(environ: Mapping[str, str] | None = None) -> None:
+    """Read and check every rank-side setting now (a coordinator starts)."""
+    global _snapshot, _given
+    env = os.environ if environ is None else environ
+    _snapshot = {s.name: _checked(s, env.get(s.name, "")) for s in DECLARED if s.scope == RANK}
+    _given = frozenset(name for name in _snapshot if env.get(name, "").strip())
+
+
+def forget() -> None:
+    """The coordinator is gone: read the environment afresh from now on."""
+    global _snapshot
+    _snapshot = None
+
+
+def _value(name: str) -> str:
+    setting = _setting(name)
+    if _snapshot is not None and name in _snapshot:
+        return _snapshot[name]
+    return _checked(setting, os.environ.get(name, ""))
+
+
+def is_set(name: str) -> bool:
+    """The environment gives `name` a value (rather than leaving the default)."""
+    _setting(name)
+    if _snapshot is not None and name in _snapshot:
+        return name in _given
+    return bool(os.environ.get(name, "").strip())
+
+
+def number(name: str) -> float:
+    """A numeric setting (NaN for an unset one without default)."""
+    value = _value(name)
+    return float(value) if value else float("nan")
+
+
+def text(name: str) -> str:
+    return _value(name)
+
+
+def flag(name: str) -> bool:
+    return _value(name) == "1"
+
+
+def agreed() -> dict[str, str]:
+    """The settings every rank must share, as this rank has them."""
+    return {s.name: _value(s.name) for s in DECLARED if s.agree}
+
+
+_SCOPES = {RANK: "Read by every rank when asynclock starts",
+           LAUNCH: "Read by the launcher and the MPI kit",
+           TESTS: "Read by the test suite and the benchmarks"}
+
+
+def markdown_table() -> str:
+    """The environment-variable tables of the docs, one per reader."""
+    out: list[str] = []
+    for scope, title in _SCOPES.items():
+        out += [f"### {title}", "", "| variable | type | default | same on every rank | "
+                "meaning |", "| --- | --- | --- | --- | --- |"]
+        for s in DECLARED:
+            if s.scope != scope:
+                continue
+            kind = s.kind + (f" ({', '.join(s.choices)})" if s.choices else "")
+            default = f"`{s.default}`" if s.default else "unset"
+            out.append(f"| `{s.name}` | {kind} | {default} | {'yes' if s.agree else ''} | "
+                       f"{s.meaning} |")
+        out.append("")
+    return "\n".join(out)
