@@ -71,7 +71,7 @@ def test_defaults_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("name, value, message", [
     ("ASYNCLOCK_SPIN_US", "fast", "ASYNCLOCK_SPIN_US='fast' is not a number"),
     ("ASYNCLOCK_SHM", "yes", "ASYNCLOCK_SHM='yes': use 0 or 1"),
-    ("ASYNCLOCK_BULK", "nccl", "ASYNCLOCK_BULK='nccl': use one of auto, mpi, gloo"),
+    ("ASYNCLOCK_BULK", "nccl", "ASYNCLOCK_BULK='nccl': use one of auto, mpi, gloo, measure"),
 ])
 def test_a_bad_value_names_the_variable_at_load(monkeypatch: pytest.MonkeyPatch, name: str,
                                                  value: str, message: str) -> None:

@@ -55,7 +55,8 @@ DECLARED: tuple[Setting, ...] = (
     _s("THREAD_MIN_BYTES", "number", "1048576", "Data stages at least this big are waited "
        "for in the lane's wait thread, on the bulk communicator.", agree=True),
     _s("BULK", "text", "auto", "Bulk allreduces across hosts: gloo where it measures faster "
-       "(`auto`), always MPI, or always gloo.", agree=True, choices=("auto", "mpi", "gloo")),
+       "(`auto`), always MPI, always gloo, or measure on one node too (`measure`).",
+       agree=True, choices=("auto", "mpi", "gloo", "measure")),
     _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
        "take.", agree=True),
     _s("SHM", "flag", "1", "Gradient buckets through the node's shared-memory window when "
