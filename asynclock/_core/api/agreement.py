@@ -9,10 +9,10 @@ fingerprint and all raise the same error naming the differing ranks.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..base import settings
+from ..base.backoff import Backoff, poll_until
 from ..base.errors import CollectiveTimeout, MismatchError
 from ..base.header import Call
 from ..base.ops import Kind
@@ -20,6 +20,8 @@ from ..base.version import __version__
 from ..engine.collective_ops import AllgatherObjectOp
 from ..engine.operation import Lane
 from ..engine.progress import Engine
+
+STARTUP_POLL_S = 0.0005  # no poller runs yet: the start-up round is tested this often
 
 
 def fingerprint(engine: Engine, backend: str, size: int) -> dict[str, Any]:
@@ -37,12 +39,15 @@ def agree_config(engine: Engine, lane: Lane, backend: str, timeout: float = 120.
     op = AllgatherObjectOp(lane, Call(Kind.ALLGATHER_OBJECT, lane.next_seq(), name="config",
                                       nbytes=len(blob)), blob)
     engine.submit(op)
-    deadline = time.monotonic() + timeout
-    while not op.done:
+
+    def joined() -> bool:
+        if op.done:
+            return True
         engine.poll_all()
-        if time.monotonic() > deadline:
-            raise CollectiveTimeout(f"ranks did not all join asynclock start-up within {timeout} s")
-        time.sleep(0.0005)
+        return False
+
+    if not poll_until(joined, Backoff.every(STARTUP_POLL_S), timeout):
+        raise CollectiveTimeout(f"ranks did not all join asynclock start-up within {timeout} s")
     _compare(op.outcome())
 
 

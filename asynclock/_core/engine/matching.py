@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..base.backoff import Backoff
 from ..base.errors import AsynclockError, UnmatchedError
 from ..base.header import (
     SLOT_WORDS,
@@ -54,6 +55,7 @@ from .operation import Lane, LaneHost, Operation, State
 Array = np.ndarray[Any, Any]
 WAITING = 1  # a filler's W_OP flag: this rank cannot make progress on its own
 _FILLER = int(Kind.FILLER)
+FILLER_FIRST_S, FILLER_MAX_S = 1e-3, 0.05  # the filler backoff (`Matcher._keep_turning`)
 
 
 class Entry(NamedTuple):
@@ -77,7 +79,9 @@ class Matcher:
     def __init__(self, lane: Lane, host: LaneHost) -> None:
         self.lane, self.host = lane, host
         self.table: list[list[Entry]] = [[] for _ in range(lane.size)]
-        self.idle = 0  # slots in a row that changed nothing (filler backoff)
+        # The filler's delay after slots that changed nothing: 1 ms, doubling with
+        # each such slot in a row, at most 50 ms.
+        self.filler_backoff = Backoff(FILLER_FIRST_S, FILLER_MAX_S, growth=2.0)
         self.processed = 0  # the slot of the last round processed here
         self.closing = False
 
@@ -181,9 +185,12 @@ class Matcher:
     def _keep_turning(self, op: Operation, progressed: bool) -> None:
         """After a slot: a rank with calls waiting (or shutting down while any
         rank's do) keeps the lane turning when it has no later round in flight."""
-        self.idle = 0 if progressed else self.idle + 1
+        if progressed:
+            self.filler_backoff.reset()
+            delay = 0.0
+        else:
+            delay = self.filler_backoff.next_sleep()  # counts the slot even when no filler is due
         if self.filler_due():
-            delay = 0.0 if progressed else min(0.05, 0.0005 * 2 ** min(self.idle, 7))
             self.host.want_filler(self.lane, delay)
 
     def filler_due(self) -> bool:

@@ -1,7 +1,7 @@
 """The progress engine: turns transport requests into awaitables.
 
 MPI has no file descriptor to wait on, so one poller task per loop tests
-every in-flight request. Policy, measured in `bench/collectives.py`:
+every in-flight request. Policy (`bench/collectives.py` measures it):
 
 * a bounded spin right after a call is issued (`spin_s`), because small
   collectives usually finish within microseconds and a round trip through
@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ..base.backoff import Backoff
 from ..base.errors import BackendError
 from ..base.from_thread import loop_caller
 from ..base.header import Call
@@ -84,7 +85,10 @@ class Engine:
         self.inflight: list[Operation] = []
         self.lanes: list[Lane] = []
         self._alarm = Alarm()  # the poller's sleep, ended early by new work
-        self._last_progress = time.perf_counter()
+        p = self.policy
+        # The poller's sleeps: tight for `busy_s` after the last progress, then growing.
+        self._backoff = Backoff(p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction,
+                                busy_s=p.busy_s)
         self._issued = self._completed = self._detached = self._thread_waits = 0
         # One wait thread per lane: a lane's bulk stages run blocking, in its
         # agreed order; lanes are ordered independently of each other, so two
@@ -168,13 +172,14 @@ class Engine:
         """Account for an op that issued and finished inside one call (`engine.small_calls`)."""
         self._issued += 1
         self._completed += 1
-        self._last_progress = issued_at
+        self._backoff.reset(issued_at)
         if lane is not None:
             self.note_latency(lane, time.perf_counter() - issued_at)
 
     def adopt_issued(self, op: Operation, issued_at: float) -> None:
         """Take over an op whose first round was started outside `submit` (`engine.small_calls`)."""
-        op.issued_at = self._last_progress = issued_at
+        op.issued_at = issued_at
+        self._backoff.reset(issued_at)
         self._issued += 1
         self._adopt(op, False)
 
@@ -182,7 +187,8 @@ class Engine:
         """Refuse after a fatal failure; stamp and count the op."""
         if self.failure is not None:
             raise _fresh(self.failure)
-        op.issued_at = self._last_progress = time.perf_counter()
+        op.issued_at = time.perf_counter()
+        self._backoff.reset(op.issued_at)
         self._issued += 1
         if self.on_event is not None:
             self.on_event("issue", op, op.issued_at)
@@ -310,7 +316,7 @@ class Engine:
                 await self._sleep_until_woken(cap)
                 continue
             if self.poll_all():
-                self._last_progress = time.perf_counter()
+                self._backoff.reset()
             if all(op.threaded or op.awaiting_hint for op in self.inflight):
                 # Only the wait thread can finish these, or a peer's sign must come
                 # first, and either wakes us: polling would just take the core (and
@@ -318,16 +324,15 @@ class Engine:
                 await self._sleep_until_woken(_sooner(self.policy.max_sleep_s, cap))
                 continue
             now = time.perf_counter()
-            waited = now - self._last_progress
+            # Patient ops (and thread-waited ones) skip the tight phase; a blocked
+            # synchronous caller (`eager_until`) keeps it.
             patient = all(op.patient or op.threaded for op in self.inflight)
-            if (waited < self.policy.busy_s and not patient) or now < self.eager_until:
+            pause = 0.0 if now < self.eager_until else self._backoff.next_sleep(
+                now, tight=not patient)
+            if pause <= 0.0:
                 await anyio.sleep(0)
             else:
-                await self._sleep_until_woken(_sooner(self._idle_sleep(waited), cap))
-
-    def _idle_sleep(self, waited: float) -> float:
-        p = self.policy
-        return min(p.max_sleep_s, max(p.min_sleep_s, p.sleep_fraction * waited))
+                await self._sleep_until_woken(_sooner(pause, cap))
 
     async def _sleep_until_woken(self, timeout: float | None) -> None:
         await self._alarm.sleep(timeout)
@@ -344,7 +349,7 @@ class Engine:
             self._call_soon(self._wake_now)
 
     def _wake_now(self) -> None:
-        self._last_progress = time.perf_counter()
+        self._backoff.reset()
         self._alarm.wake()
 
     def poll_all(self) -> bool:

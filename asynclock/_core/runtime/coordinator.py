@@ -24,6 +24,7 @@ from ..api.agreement import agree_config
 from ..api.collectives import Collectives, LaneCollectives
 from ..api.process_sets import Subset, make_subset, remove_subset
 from ..base import settings
+from ..base.backoff import Backoff, wait_until
 from ..base.errors import NotInitializedError, ShutdownError
 from ..base.from_thread import name_os_thread
 from ..device import device
@@ -41,6 +42,7 @@ log = logging.getLogger("asynclock")
 T = TypeVar("T")
 # How long the poller tests tightly after a synchronous (Horovod-style) call starts.
 SYNC_EAGER_S = 5e-3
+DRAIN_POLL_S = 1e-3  # `drain()` tests for an empty engine this often
 
 _HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER")
 # what an MPI launcher (mpirun, mpiexec, horovodrun --mpi, srun with PMI) gives each rank
@@ -279,8 +281,7 @@ class Coordinator(Collectives, SyncPrimitives):
         ranks issued and others never will fail now (`UnmatchedError`)."""
         self._engine.close_matching()
         with anyio.fail_after(timeout):
-            while self._engine.inflight:
-                await anyio.sleep(0.001)
+            await wait_until(lambda: not self._engine.inflight, Backoff.every(DRAIN_POLL_S))
 
     def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run `fn(*args)` on whichever loop runs the engine and wait for it: for
@@ -328,8 +329,7 @@ class Coordinator(Collectives, SyncPrimitives):
 
     async def _start_engine_task(self) -> None:
         """Inside the portal loop: wait until the portal-owned tasks run."""
-        while not (self._engine.running and self.sync.running):
-            await anyio.sleep(0)
+        await wait_until(lambda: self._engine.running and self.sync.running, Backoff.every(0.0))
 
     def shutdown(self) -> None:
         """Drain in-flight work, stop the loop thread and free communicators."""

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..base import settings
 from ..base import stack_dump as frozen
+from ..base.backoff import Backoff, poll_until
 from ..base.errors import RankFailedError, StallError
 from ..base.from_thread import name_os_thread
 from ..engine.progress import Engine, EngineSnapshot, InflightOp
@@ -55,6 +56,7 @@ LAG_NOTE_S = 1.0  # an event loop that has not run for this long is worth naming
 # dead_after_s: before the peers declare it dead and the launcher kills it (`frozen`).
 FROZEN_FRACTION = 0.8
 MAX_PENDING_SENDS = 256  # a frozen peer must not make us queue heartbeats for ever
+FLUSH_POLL_S = 1e-3  # last sends (failure, goodbye) are tested this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,11 +442,12 @@ class Watchdog:
 
     def _flush_sends(self, timeout: float) -> None:
         """Wait up to `timeout` for the sends; those to peers that left are dropped."""
-        deadline = time.monotonic() + timeout
-        while self._sends and time.monotonic() < deadline:
-            self._reap(quiet=True)
+        def sent() -> bool:
             if self._sends:
-                time.sleep(0.001)
+                self._reap(quiet=True)
+            return not self._sends
+
+        poll_until(sent, Backoff.every(FLUSH_POLL_S), timeout)
         for _peer, req in self._sends:  # a dead or frozen peer: do not wait in MPI_Finalize
             try:
                 req.Cancel()

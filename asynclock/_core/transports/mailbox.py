@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
+from ..base.backoff import Backoff, poll_until
 from ..base.errors import BackendError
 from .base import DONE, Array, Request
 
 _FRAME = struct.Struct("<iI")  # stream id, payload bytes
+WAIT_POLL_S = 1e-4  # a blocking `Wait` (the engine's wait thread) tests this often
 _ID = struct.Struct("<q")  # the connecting rank, sent once per connection
 Address = tuple[str, int]
 P2P, HEADERS, AGREE, DATA = range(4)  # a channel's streams: id = 4 * channel + kind
@@ -265,8 +266,7 @@ class GatherRequest:
             self.finish()
 
     def Wait(self) -> None:  # noqa: N802
-        while not self.Test():
-            time.sleep(1e-4)
+        poll_until(self.Test, Backoff.every(WAIT_POLL_S))
 
 
 class SendRequest:
@@ -281,8 +281,7 @@ class SendRequest:
         return self.box.flush(self.dest) >= self.mark
 
     def Wait(self) -> None:  # noqa: N802
-        while not self.Test():
-            time.sleep(1e-4)
+        poll_until(self.Test, Backoff.every(WAIT_POLL_S))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
