@@ -40,6 +40,7 @@ from typing import Any
 
 import anyio
 
+from ..base.backoff import Backoff
 from ..base.env import env_float
 from ..base.errors import CollectiveTimeout
 from ..base.from_thread import loop_caller
@@ -64,11 +65,14 @@ class WaitPolicy:
                    busy_s=settings.number("ASYNCLOCK_CUDA_BUSY_US") * 1e-6,
                    max_sleep_s=settings.number("ASYNCLOCK_CUDA_MAX_SLEEP_US") * 1e-6)
 
+    def backoff(self, start: float) -> Backoff:
+        """The pauses of one wait that began at `start` (`time.perf_counter()`)."""
+        return Backoff(self.min_sleep_s, self.max_sleep_s, share=self.sleep_fraction,
+                       busy_s=self.busy_s, since=start)
+
     def next_sleep(self, waited: float) -> float:
         """0 (a bare yield) while busy, then a sleep growing with the wait."""
-        if waited < self.busy_s:
-            return 0.0
-        return min(self.max_sleep_s, max(self.min_sleep_s, self.sleep_fraction * waited))
+        return self.backoff(0.0).next_sleep(waited)
 
 
 MODES = ("auto", "poll", "thread")
@@ -180,11 +184,12 @@ def _query(event: Any) -> bool:
 
 async def _poll(event: Any, policy: WaitPolicy, start: float, limit_s: float | None) -> bool:
     """Poll with backoff; False if `limit_s` passed first."""
+    backoff = policy.backoff(start)
     while True:
-        waited = time.perf_counter() - start
-        if limit_s is not None and waited >= limit_s:
+        now = time.perf_counter()
+        if limit_s is not None and backoff.waited(now) >= limit_s:
             return False
-        await anyio.sleep(policy.next_sleep(waited))
+        await anyio.sleep(backoff.next_sleep(now))
         if _query(event):
             return True
 

@@ -31,6 +31,7 @@ import anyio.abc
 import anyio.lowlevel
 import numpy as np
 
+from ..base.backoff import Backoff, poll_until
 from ..base.env import env_float
 from ..base.wakeup import Alarm
 from ..engine.operation import Lane
@@ -84,7 +85,9 @@ class SyncService:
         self._pumping = False
         self._sends: list[tuple[Request, Any]] = []
         self._buf = np.zeros(MAX_WORDS, np.int64)
-        self._last = time.perf_counter()
+        p = self.progress  # the pump polls like the engine: tight, then growing sleeps
+        self._backoff = Backoff(p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction,
+                                busy_s=p.busy_s)
         self._alarm = Alarm()  # the pump's idle sleep, ended early by activity
         self.running = False
         self.received = self.sent = 0
@@ -174,7 +177,7 @@ class SyncService:
 
     def _activity(self) -> None:
         """Something was sent or received: poll tightly again for a while."""
-        self._last = time.perf_counter()
+        self._backoff.reset()
         self._alarm.wake()
 
     # -- receiving and routing -----------------------------------------------------
@@ -315,16 +318,15 @@ class SyncService:
                     log.warning("sync: returning leases at shutdown: %s", exc)
 
     async def _loop(self) -> None:
-        p = self.progress
+        backoff = self._backoff
         while True:
             if self.poll():
-                self._last = time.perf_counter()
-            idle = time.perf_counter() - self._last
-            if idle < p.busy_s or self._sends:
+                backoff.reset()
+            if self._sends or backoff.busy():
                 await anyio.sleep(0)
                 continue
-            cap = COLD_MAX_SLEEP_S if self._cold() else p.max_sleep_s
-            await self._alarm.sleep(min(cap, max(p.min_sleep_s, p.sleep_fraction * idle)))
+            await self._alarm.sleep(backoff.next_sleep(
+                tight=False, max_s=COLD_MAX_SLEEP_S if self._cold() else None))
 
     def _cold(self) -> bool:
         """No sync primitive was ever used here, as user or home, and no reply is
@@ -337,8 +339,9 @@ class SyncService:
 
     def _finish_sends(self) -> None:
         """Small sends complete at once (eager); give stragglers a bounded spin."""
-        deadline = time.perf_counter() + 0.1
-        while self._sends and time.perf_counter() < deadline:
+        def sent() -> bool:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
-        if self._sends:
+            return not self._sends
+
+        if self._sends and not poll_until(sent, Backoff.every(0.0), timeout=0.1):
             log.warning("sync: %d messages still unsent at shutdown", len(self._sends))
