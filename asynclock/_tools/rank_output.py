@@ -9,17 +9,17 @@ trampoline reads the program's output and writes `[r] line`, one write per
 whole line.
 
 Why supervise: a runner does not always end the job when a rank fails.
-MPICH 5's hydra left a survivor in `MPI_Finalize` for ever in ~7% of the
-jobs in which one rank exited with status 3 without finalizing (11 of 150),
-and plain mpi4py programs do exactly that on a crash. So the program runs as
+MPICH 5's hydra can leave a survivor in `MPI_Finalize` for ever when one
+rank exits with a non-zero status without finalizing (see the benchmarks
+page), and plain mpi4py programs do exactly that on a crash. So the program runs as
 the trampoline's child: the trampoline sees its status, and on a failure
 writes the announcement asynclock-launch acts on (`asynclock[rank R]: ...;
 stopping the job (exit N)`: the launcher kills a job whose runner outlives
 it by `--failure-grace`). It then ends the same way the program did (status
 or signal), passes the runner's signals on to the program, and the program
 dies with it (`PR_SET_PDEATHSIG`) if the runner SIGKILLs the trampoline.
-stdlib only, never imports the package: a bare interpreter start (~20 ms)
-per rank.
+stdlib only, never imports the package, so each rank pays no more than a
+bare interpreter start.
 """
 
 from __future__ import annotations

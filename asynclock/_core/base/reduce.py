@@ -29,7 +29,7 @@ _TORCH_MIN = 4096  # below this numpy's casts are cheaper than crossing into tor
 
 def torch_half(code: int) -> Any:
     """torch and its 16-bit dtype for `code`, if the program already imported torch:
-    its half casts use SIMD and are ~40x faster than numpy's float16 casts."""
+    its half casts use SIMD and are far faster than numpy's float16 casts."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None, None

@@ -5,10 +5,9 @@ woken either by a timer or by a peer thread's `call_soon`. With anyio the
 natural spelling is `Event` inside `move_on_after`, but on asyncio every
 timed-out wait then goes through a cancel scope: a cancellation delivered
 as a `CancelledError` thrown through the task, caught again by the scope.
-Measured on the 2-core VM this project runs on (`bench/wakeups.py`), a
-20 ms timed wait costs ~610 us of CPU that way against ~380 us with a bare
-future and `call_later`: an idle coordinator's pump wakes ~50 times a
-second, so that was a few percent of a core per rank, on the same cores
+A timed wait costs markedly more CPU that way than with a bare future and
+`call_later` (`bench/wakeups.py`; figures on the benchmarks page), and an
+idle coordinator's pump wakes up to ~50 times a second, on the same cores
 that train. On trio (whose cancellation is cheap and the only tool) the
 anyio spelling stays.
 """

@@ -21,12 +21,11 @@ CUDA has no file descriptor to wait on either. Three policies
   `asynclock_blocking = True`), the helper thread, which sleeps in the
   driver and wakes the loop at once; other events keep polling.
 
-Measured by `tests/gpu/bench_wait_gpu.py` (wake-up latency, CPU per second
-of waiting, side-task progress); `--emulate` gives the policy costs without
-a GPU. Emulated medians of 41 on the shared 2-core CPU box, microseconds
-late (poll / auto / thread): 50 us wait 21 / 45 / 142; 10 ms wait
-513 / 247 / 226; 50 ms wait 1209 / 265 / 277; CPU during a 50 ms wait
-8.2% / 7.3% / 5.9% of a core (a 1 ms side task included). Hence ``auto``.
+`tests/gpu/bench_wait_gpu.py` measures the policies (wake-up latency, CPU
+per second of waiting, side-task progress; `--emulate` without a GPU):
+``poll`` wakes soonest from short waits, ``thread`` from long ones and with
+the least CPU, and ``auto`` comes close to the better of the two at both
+ends (figures on the benchmarks page). Hence ``auto``.
 """
 
 from __future__ import annotations

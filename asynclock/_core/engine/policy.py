@@ -11,11 +11,12 @@ from ..base import settings
 class ProgressPolicy:
     """Knobs of the progress engine (env: ASYNCLOCK_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES)."""
 
-    # 200 us: a 64 KiB allreduce at 2 ranks finishes inside the spin (79 vs 174 us
-    # with 50 us: bench/collectives.py, MPICH and Open MPI alike).
+    # 200 us: a 64 KiB allreduce at 2 ranks on one node finishes inside the spin, and
+    # one caught by the spin completes far sooner than one left to the poller
+    # (bench/collectives.py; figures on the benchmarks page).
     spin_s: float = 200e-6
     # Up to 1 ms when a channel's small ops typically take longer than `spin_s` but
-    # finish within it (across hosts: a 64 KiB allreduce is ~250 us over TCP).
+    # finish within it (across hosts over TCP a 64 KiB allreduce outlasts `spin_s`).
     max_spin_s: float = 1e-3
     busy_s: float = 2e-3
     min_sleep_s: float = 1e-3

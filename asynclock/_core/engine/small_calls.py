@@ -2,10 +2,10 @@
 
 An allreduce or broadcast of at most `INLINE_BYTES`, and every barrier,
 already costs one round trip: the data rides in the header slot
-(`AllreduceOp`, `BroadcastOp`, `BarrierOp`). What was left was Python: a
-`Call`, 18 packed words, an `Operation`, a `Handle`, fresh views of the
-received slots... 40-50 us a call against MPI's 3 us (`bench/collectives.py`,
-4 B).
+(`AllreduceOp`, `BroadcastOp`, `BarrierOp`). On the general path the rest
+of such a call is Python bookkeeping: a `Call`, 18 packed words, an
+`Operation`, a `Handle`, fresh views of the received slots, which cost many
+times the MPI call itself (figures: the benchmarks page).
 
 This path keeps, per call signature (kind, dtype, shape, op or root, name),
 the header bytes with only the sequence number left to patch and the
@@ -224,9 +224,10 @@ class TinyCollectives:
         """Issue the header round and spin: None once it completed and every rank
         agreed (else the general path's error is raised), FOLDED when the C round
         also folded the inline rows into `out`, or the request: still in flight,
-        or finished with joined ranks standing in. Kept flat: each Python call
-        costs ~0.15 us here. `whole`: the round is the whole op (its time teaches
-        the lane's spin); a staged allreduce reports its time after the data."""
+        or finished with joined ranks standing in. Kept flat: a Python call is a
+        measurable share of a small collective's time. `whole`: the round is the
+        whole op (its time teaches the lane's spin); a staged allreduce reports its
+        time after the data."""
         rnd, lane = self._round, self._lane
         taught = lane if whole else None
         if rnd is None:

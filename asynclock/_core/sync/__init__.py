@@ -1,7 +1,7 @@
 """Cross-rank async primitives: Lock, Semaphore, Condition, Event, sequential
 sections and named consistency points, on asyncio and trio.
 
-Design (measured in bench/sync.py): each lock-like primitive has a home rank
+Design (`bench/sync.py` measures it): each lock-like primitive has a home rank
 (crc32(name) % size) whose per-coordinator message pump keeps its state (a
 FIFO queue and its holders); other ranks reach it with point-to-point
 messages on the sync lane's own communicator. Requests on the home rank
@@ -10,7 +10,7 @@ waits comes with a lease (lock caching, see `_manager`): uncontended use
 from any rank then costs no messages at all; a RECALL takes it back as soon
 as anyone else asks.
 
-MPI RMA (mpi4py.util.sync's MCS lock) was the alternative: it is fast
+MPI RMA (mpi4py.util.sync's MCS lock) is the alternative: it is fast
 while nobody else runs (shared-memory atomics need no help from the
 target), but passive-target progress across nodes needs the target inside
 MPI or a progress thread, an RMA wait cannot be awaited without spinning,

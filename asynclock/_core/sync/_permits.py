@@ -1,6 +1,6 @@
 """The requester side shared by Lock and Semaphore: acquire, withdraw, release.
 
-Cancellation rules (each has a regression test in tests/test_sync.py):
+Cancellation rules (tests/test_sync.py checks each):
 
 * cancelled while queued: a CANCEL follows the ACQUIRE to the home rank
   (same sender, so it cannot overtake it); the manager drops the waiter and
@@ -124,7 +124,7 @@ class Permits:
     async def _yield_holding(self) -> None:
         """The fairness checkpoint after a local take. Cancelled here, the task
         never entered the lock: hand the permit on before re-raising
-        (regression: test_cancel_at_fast_path_checkpoint_releases_permit)."""
+        (tests/test_sync_regressions.py checks it)."""
         try:
             await self._svc.maybe_yield()
         except BaseException:

@@ -101,7 +101,8 @@ class SyncService:
 
         Twice: on asyncio one checkpoint only lets an expired timer's callback
         run, and the task it wakes is queued behind this one's next 1 ms, so a
-        1 ms ticker woke ~3 ms late (bench/sync.py); with two it wakes ~1 ms late.
+        1 ms ticker would wake several ms late; the second checkpoint lets the
+        woken task run (`bench/sync.py` measures the ticker's lateness).
         """
         now = time.perf_counter()
         if now - self._last_yield > 1e-3:

@@ -41,7 +41,7 @@ def any_task() -> object:
 
 def task_getter() -> Callable[[], object]:
     """The running task object, cheaply: anyio.get_current_task builds a TaskInfo
-    (about 10 us), while the loop's own accessor is a lookup."""
+    (costly on a lock's fast path), while the loop's own accessor is a lookup."""
     if sniffio.current_async_library() == "trio":
         import trio
 

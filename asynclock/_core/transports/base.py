@@ -110,7 +110,7 @@ class Deferred:
     """A blocking call, run by the engine's wait thread in FIFO order.
 
     Blocking collectives beat non-blocking ones for bulk data on some MPIs
-    (Open MPI 4's libnbc Iallreduce of 64 MiB takes ~1.6x its Allreduce), so
+    (Open MPI 4's libnbc Iallreduce is markedly slower than its Allreduce), so
     large data stages run blocking, off the loop, on a communicator of their
     own: one thread in FIFO order keeps the order identical on every rank.
     """

@@ -2,13 +2,11 @@
 
 Why: between hosts connected by TCP, MPI's blocking Allreduce spins a core
 for as long as the wire is busy, and its large-message path is slower than
-gloo's pipelined ring. On two netrig hosts at 5 Gbit/s (bench/collectives.py,
-2 ranks): 64 MiB took 130-134 ms with MPICH and 135-231 ms with Open MPI 4,
-114-126 ms with gloo, whose thread sleeps in the kernel until data arrives;
-4 MiB took 7.1 ms with MPICH, 17.5 ms with Open MPI, 8.5-8.8 ms with gloo. So
-when a channel's ranks span hosts and the program uses torch, asynclock hands
-the channel's allreduces from a measured size on (run in the channel's wait
-thread) to a private gloo group. Everything else stays on MPI: the
+gloo's pipelined ring, whose thread sleeps in the kernel until data arrives
+(figures across two emulated hosts: the benchmarks page). So when a
+channel's ranks span hosts and the program uses torch, asynclock hands the
+channel's allreduces from a measured size on (run in the channel's wait thread)
+to a private gloo group. Everything else stays on MPI: the
 header round that checks and orders every call comes first, so gloo sees
 the calls in the same order on every rank, one at a time per channel.
 
@@ -153,7 +151,7 @@ PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
 PROBE_REPS = 3
 PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
 ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps)
-CHUNK = 128  # the probe's compute load: 128x128 matmuls (~0.1 ms each on one core)
+CHUNK = 128  # the probe's compute load: 128x128 matmuls, small steps to match a call's length
 
 
 def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
@@ -166,10 +164,9 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     threads mostly wait in the kernel. Where the rank has a spare core the spin
     costs nothing and MPI's often faster wire time wins; where it has none the
     spin takes the core from the compute it overlaps. An idle-machine probe
-    cannot tell the two apart: on the 2-host rig (hosts sharing 2 cores) it
-    chose MPI for the 4 MiB buckets in some runs (4 MiB: MPI 6.9 ms, gloo
-    10.9 ms), and the spinning wait thread then cost ~100 ms of CPU per MLP
-    step (Open MPI 182-209 samples/s against 240-252 with gloo, same hour).
+    cannot tell the two apart: where hosts have no spare core it can choose
+    MPI for bucket-sized allreduces, whose spinning wait thread then takes
+    the core backward needs (figures on the benchmarks page).
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI

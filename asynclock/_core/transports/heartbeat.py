@@ -3,7 +3,7 @@
 The watchdog (`runtime.watchdog`) sends each peer a small status every
 half second and drains what arrived, from its own thread. Under MPI it has
 a communicator of its own. Under `horovodrun --gloo` there is no MPI world,
-and without heartbeats a lost message or a frozen rank hung the job in
+and without heartbeats a lost message or a frozen rank would hang the job in
 silence (invariant 2); there the heartbeats take a TCP mesh of their own
 (`Mailbox`), used by the watchdog thread only, since a mailbox is not
 thread-safe and the loop owns the backend's.

@@ -3,7 +3,7 @@
 Why: MPI has no float16/bfloat16 sum, so a plain MPI allreduce of a
 compressed gradient must widen it to float32 first, which doubles the bytes
 on the wire and makes `Compression.fp16` slower than no compression at all
-(measured across two hosts at 5 Gbit/s: MLP 135 vs 253 samples/s). Here
+(across hosts; figures on the benchmarks page). Here
 each rank reduces one chunk: a ring reduce-scatter (N-1 `Sendrecv` steps,
 each adding in float32 and rounding once to the 16-bit type), then an
 `Allgatherv` of the reduced chunks. Each chunk's value is computed on one
@@ -64,7 +64,7 @@ def _add_into(acc: Array, other: Array, code: int) -> None:
     """acc += other, computed in float32, rounded once to the 16-bit type.
 
     torch (when the program uses it) adds 16-bit tensors that way with SIMD
-    conversions; numpy's float16 casts are ~40x slower, so they are only
+    conversions; numpy's float16 casts are far slower, so they are only
     the fallback for numpy-only programs.
     """
     torch, dtype = torch_half(code)

@@ -4,7 +4,7 @@ asynclock's hooks and SyncBatchNorm wait on locks, buckets and collectives.
 Dynamo would try to trace them into a graph (warning about thread builtins
 and profiler records) before breaking the graph around them; marked here,
 they run eagerly and the rest of a compiled model stays compiled. Marking
-imports Dynamo (~0.7 s), so it happens where such code is set up (a gated
+imports Dynamo, which is slow, so it happens where such code is set up (a gated
 optimizer, a SyncBatchNorm), not at `import asynclock.torch`.
 """
 

@@ -1,11 +1,11 @@
 """Buckets Horovod fuses itself: gradients handed to Horovod without a copy.
 
-On Horovod's transport a bucket used to start from asynclock's flat buffer,
-which the hook had filled with a scaled copy of each gradient; Horovod then
-copied the buckets in flight into its fusion buffer and back out. The first
-copy was asynclock's alone: a scaled copy of the whole model every step, on
-the thread that runs backward (bench/train.py, MLP: the largest kernel of
-the step after the matrix products). Here the hook hands autograd's tensor
+On Horovod's transport, a bucket that started from asynclock's flat buffer
+would need the hook to fill it with a scaled copy of each gradient, and
+Horovod then copies the buckets in flight into its fusion buffer and back
+out. The first copy would be asynclock's alone: a scaled copy of the whole
+model every step, on the thread that runs backward, and for a memory-bound
+model one of the step's largest kernels. Here the hook hands autograd's tensor
 over, as the shared-memory path does (`shm_chunks.HandedGrads`), and the
 bucket goes to Horovod as a group of one tensor per segment: the handed
 tensor in, its slice of the flat buffer out. A segment whose gradient is

@@ -39,7 +39,7 @@ def training_policy() -> ProgressPolicy:
 
     The default polls tightly for 2 ms after every bit of progress; with
     dozens of bucket operations per step on one core per rank, that spinning
-    measurably slows backward (bench/train.py: ~15 ms of CPU per MLP step).
+    measurably slows backward (`bench/train.py --threads` shows its CPU).
     200 µs keeps small-message latency low and gives the core back; for
     the same reason the spin after each issue stays at 50 µs (a bucket's
     header waits for the slowest rank's backward, often for milliseconds).

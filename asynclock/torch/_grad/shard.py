@@ -4,8 +4,8 @@ updating only the chunk of every bucket it reduces.
 Why: in plain data parallelism every rank runs the same optimizer step over
 the same averaged gradients, so a node does that memory-bound work once per
 rank, and with shared-memory reduction every rank also copies back the
-chunks the others summed. On this project's 2-core machine the SGD-momentum
-step is 13.5 of a 41 ms MLP step. Here rank r, which already sums chunk r
+chunks the others summed. For a memory-bound model the optimizer step is a
+large share of the training step (benchmarks page). Here rank r, which already sums chunk r
 of every bucket over all ranks (`shm_pipeline`), applies the optimizer to
 that chunk at once, writing parameters and state that live once per node
 in a shared window: nothing is copied back, and each element is updated by
@@ -17,7 +17,7 @@ Only elementwise optimizers qualify: updating a slice of a parameter from the
 same slice of its gradient and state must give what the whole update gives
 (SGD, Adam, ...; not LBFGS, or anything with per-tensor norms). In float32 it
 gives the same bits; for bfloat16, torch's kernels round a slice's vector tail
-differently (1 ulp where measured), and the ranks agree all the same.
+differently (by an ulp in the cases tested), and the ranks agree all the same.
 
 Round 1 runs unsharded: it is the profiling round, reduced by MPI allreduce
 on the guessed plan. Every rank then holds the same parameters and state

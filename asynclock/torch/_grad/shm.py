@@ -5,9 +5,9 @@ gradient buffers themselves are allocated in an MPI-3 shared window
 (`MPI_Win_allocate_shared`), so each rank can read every other rank's
 buffer. A bucket is then reduced without any message: rank r sums chunk r
 of the bucket over all ranks' buffers into its own, and copies the other
-chunks back from their owners. Measured on the 2-core machine this project
-runs on, a 42 MiB average takes ~7 ms of CPU this way against ~21 ms for
-MPI_Allreduce (which copies through the transport and spins while waiting).
+chunks back from their owners. That takes a fraction of the CPU of an
+MPI_Allreduce, which copies through the transport and spins while waiting
+(figures on the benchmarks page).
 
 Each round starts with one checked collective on the gradient channel,
 whose name carries the plan's checksum, so ranks that disagree raise the

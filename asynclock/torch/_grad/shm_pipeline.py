@@ -18,9 +18,9 @@ rank needs nothing but the minimum over ranks to know what it may do next:
 reduce its chunk of every bucket all ranks have packed, gather every bucket
 all ranks have reduced. The results do not depend on how ranks batch these
 steps (each chunk is summed by its owner in rank order), so nothing has to
-be agreed per bucket: where the staged design issued an MPI allreduce and a
-poll loop per stage on the event loop, a rank here wakes only when a peer
-rings its bell (a futex in the window) or its own backward packs a bucket.
+be agreed per bucket: instead of an MPI allreduce and a poll loop per stage
+on the event loop, a rank here wakes only when a peer rings its bell (a
+futex in the window) or its own backward packs a bucket.
 
 Per round the loop still issues one checked MPI stage (see `ShmTransport`):
 it compares plan checksums, and a joined rank refuses it on every rank.
@@ -50,7 +50,7 @@ from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
 PACKED, REDUCED, GATHERED, ABORTED, STARTED, SUMMED, SYNCED = range(7)
 _CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
 # between rounds nothing can fail here, and everything that gives work rings the
-# bell: sleep long (10 idle wake-ups a second cost other work ~1 ms per CNN step)
+# bell: sleep long (every idle wake-up takes CPU from the training step)
 _IDLE_S = 5.0
 _STOP_GRACE_S = 10.0  # a stopped pipeline waits this long for peers to end its round
 

@@ -125,7 +125,7 @@ class TrainStep:
         if self._shard_wanted:
             reducer.shard_after_replan(self.optimizer, type(self.optimizer))
         try:
-            if model is not None:  # off the loop: it may import Dynamo (~0.7 s)
+            if model is not None:  # off the loop: it may import Dynamo, which is slow
                 await anyio.to_thread.run_sync(self._make_gate, model, reducer)
                 reducer.bucketer.before = reducer.updates.before_gradient
             await reducer.check_signature()

@@ -3,7 +3,7 @@
 A Horovod script that calls `hvd.grouped_allgather`, `grouped_reducescatter`,
 `grouped_allreduce_async_` or `reducescatter_async` must not stop at an
 AttributeError. A group starts all its collectives in one hop to the loop
-thread (each hop costs ~150 us), so they are in flight together, and its
+thread (a hop costs as much as a small collective), so they are in flight together, and its
 handle's `synchronize` returns the list of results in order.
 """
 

@@ -139,7 +139,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
     One hop to the loop thread that starts and awaits together (a metric or a
     loss then takes the small-message path), instead of `allreduce_async` plus
-    `synchronize`: each hop costs ~150 us here.
+    `synchronize`: each hop to the loop thread costs as much as a small collective.
     """
     if _is_adasum(op, average):
         result: torch.Tensor = synchronize(allreduce_async(
