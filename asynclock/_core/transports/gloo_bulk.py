@@ -44,8 +44,9 @@ from ..base.ops import ReduceOp
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
-# Without a probe (ASYNCLOCK_BULK=gloo): from 16 MiB. With MPICH over TCP gloo gained
-# only from there (4 MiB: +2 ms per call); with Open MPI 4 it halved 4 MiB already.
+# Without a probe (ASYNCLOCK_BULK=gloo) gloo takes allreduces from ASYNCLOCK_GLOO_MIN_BYTES,
+# 16 MiB by default: over TCP it beats MPICH only from there (Open MPI from smaller sizes;
+# figures on the benchmarks page).
 SETUP_TIMEOUT = timedelta(seconds=60)
 OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
 

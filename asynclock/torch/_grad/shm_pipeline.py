@@ -10,8 +10,8 @@ shared window (`SharedArena`), which only it writes and every rank reads:
 * `started`: rounds whose checked MPI stage it has issued. Only a hint: when
   every rank's count reaches the round this rank waits to check, its loop is
   told to test that stage now, instead of polling it every millisecond while
-  the slowest peer's backward reaches its first bucket (~15 wake-ups of the
-  loop per MLP step, a few ms of CPU on the cores that train).
+  the slowest peer's backward reaches its first bucket (many wake-ups of the
+  loop per step, on the cores that train; figures on the benchmarks page).
 
 Counters only grow (round m's bucket j counts as m * buckets + j + 1), so a
 rank needs nothing but the minimum over ranks to know what it may do next:
