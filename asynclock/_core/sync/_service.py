@@ -333,8 +333,8 @@ class SyncService:
         """No sync primitive was ever used here, as user or home, and no reply is
         awaited. Such a rank (a training job without locks) polls at most every
         `COLD_MAX_SLEEP_S` when idle instead of every 20 ms: each wake of the loop
-        costs ~0.3 ms of CPU on a small VM (`bench/wakeups.py`), 50 a second was
-        ~2% of a core. The price: the first request ever to reach a primitive
+        takes CPU from the cores that train (`bench/wakeups.py`; figures on the
+        benchmarks page). The price: the first request ever to reach a primitive
         homed here may wait that long once; after it, the usual cadence."""
         return not (self.primitives or self._permits or self._events or self._tickets)
 
