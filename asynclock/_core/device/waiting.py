@@ -30,7 +30,6 @@ ends (figures on the benchmarks page). Hence ``auto``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +38,11 @@ from typing import Any
 
 import anyio
 
+from ..base import settings
 from ..base.backoff import Backoff
-from ..base.env import env_float
 from ..base.errors import CollectiveTimeout
 from ..base.from_thread import loop_caller
 from .device import active_torch, blocking_event
-
-
 
 
 @dataclass(frozen=True, slots=True)

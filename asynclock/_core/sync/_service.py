@@ -31,8 +31,8 @@ import anyio.abc
 import anyio.lowlevel
 import numpy as np
 
+from ..base import settings
 from ..base.backoff import Backoff, poll_until
-from ..base.env import env_float
 from ..base.wakeup import Alarm
 from ..engine.operation import Lane
 from ..engine.progress import Engine, ProgressPolicy
@@ -42,7 +42,6 @@ from ._ticket import Msg, Orphan, SyncPolicy, Ticket, any_task, task_getter
 from ._wire import HEAD, MAX_WORDS, M
 
 _KINDS = {int(k): k for k in M}  # int -> M without enum's slow __call__
-COLD_MAX_SLEEP_S = env_float("ASYNCLOCK_SYNC_COLD_SLEEP_US", 100_000) * 1e-6
 
 
 
@@ -72,6 +71,7 @@ class SyncService:
         self.rank, self.size = self.channel.rank, self.channel.size
         self.progress: ProgressPolicy = coord.engine.policy
         self.policy = SyncPolicy.from_env()
+        self.cold_max_sleep_s = settings.number("ASYNCLOCK_SYNC_COLD_SLEEP_US") * 1e-6
         self.primitives: dict[tuple[str, str], Any] = {}
         self.known_events: set[int] = set()
         self.token_sinks: dict[int, Callable[[int], None]] = {}
@@ -327,12 +327,12 @@ class SyncService:
                 await anyio.sleep(0)
                 continue
             await self._alarm.sleep(backoff.next_sleep(
-                tight=False, max_s=COLD_MAX_SLEEP_S if self._cold() else None))
+                tight=False, max_s=self.cold_max_sleep_s if self._cold() else None))
 
     def _cold(self) -> bool:
         """No sync primitive was ever used here, as user or home, and no reply is
         awaited. Such a rank (a training job without locks) polls at most every
-        `COLD_MAX_SLEEP_S` when idle instead of every 20 ms: each wake of the loop
+        `cold_max_sleep_s` when idle instead of every 20 ms: each wake of the loop
         takes CPU from the cores that train (`bench/wakeups.py`; figures on the
         benchmarks page). The price: the first request ever to reach a primitive
         homed here may wait that long once; after it, the usual cadence."""
