@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,23 @@ def test_auto_picks_horovod_only_where_there_is_no_mpi_world(
     monkeypatch.setattr(runtime, "_horovod_importable", lambda: True)
     assert runtime.choose_backend("auto") == want
     assert runtime.choose_backend("local") == "local"  # an explicit choice stands
+
+
+def test_a_stale_c_round_is_not_loaded_and_says_so(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A C round built from an older source runs the Python round, with a warning that
+    says how to rebuild (a silent fallback would only show as a slower job)."""
+    import os
+
+    from asynclock._core.engine import fastpath
+
+    built, source = tmp_path / "_fastpath_x.so", tmp_path / "_fastpath.c"
+    built.write_bytes(b"")
+    source.write_text("/* newer */")
+    os.utime(built, (1_000_000, 1_000_000))
+    monkeypatch.setattr(fastpath, "SOURCE", source)
+    monkeypatch.setattr(fastpath, "built_path", lambda tag=None: built)
+    with caplog.at_level("WARNING", logger="asynclock"):
+        assert fastpath.load() is None
+    assert "older than its source" in caplog.text and "build_fastpath" in caplog.text

@@ -51,7 +51,14 @@ def load() -> ModuleType | None:
     if not settings.flag("ASYNCLOCK_FASTPATH"):
         return None
     path = built_path()
-    if not path.exists() or path.stat().st_mtime < SOURCE.stat().st_mtime:
+    if not path.exists():
+        return None
+    if path.stat().st_mtime < SOURCE.stat().st_mtime:
+        # Built from an older source: its wire format may differ from the Python round's.
+        # Say so, since the Python round is slower (launch/setup.sh rebuilds it).
+        log.warning("asynclock: the C small-message round %s is older than its source; "
+                    "using the Python round until `python mpi/build_fastpath.py` (or "
+                    "launch/setup.sh) rebuilds it", path.name)
         return None
     loader = importlib.machinery.ExtensionFileLoader("asynclock._fastpath", str(path))
     spec = importlib.util.spec_from_file_location("asynclock._fastpath", path, loader=loader)
