@@ -108,10 +108,6 @@ def on_uncaught(rank: int, size: int, watchdog: Watchdog | None, exc: BaseExcept
 
     Returns only when the exception should simply propagate.
     """
-    _stop_job(rank, size, watchdog, exc)
-
-
-def _stop_job(rank: int, size: int, watchdog: Watchdog | None, exc: BaseException) -> None:
     if size <= 1 or not is_failure(exc) or policy() != "abort":
         return
     if isinstance(exc, SystemExit):
@@ -162,5 +158,5 @@ def _excepthook(tp: type[BaseException], value: BaseException,
     if os.getpid() == _pid and live is not None:
         on_uncaught(*live, value)
     elif os.getpid() == _pid and _world is not None:
-        _stop_job(*_world, None, value)
+        on_uncaught(*_world, None, value)
     _previous_hook(tp, value, tb)
