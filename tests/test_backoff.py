@@ -156,3 +156,42 @@ def test_wait_until_checkpoints() -> None:
 
     anyio.run(main)
     assert seen == ["set", "waited"]
+
+
+def test_the_poller_sleeps_at_most_a_cycle_while_a_synchronous_caller_is_blocked() -> None:
+    """A blocked `hvd.*` caller is served tightly, then within Horovod's cycle time."""
+    from asynclock._core.engine.progress import Engine
+
+    engine = Engine(ProgressPolicy())
+    since = engine._backoff.since
+    later = since + 10.0  # 5% of 10 s waited: the poller's own cap (20 ms) applies
+    assert engine.next_pause(later) == pytest.approx(ProgressPolicy().max_sleep_s)
+    engine.blocked_callers = 1
+    engine.eager_until = later + 1e-3
+    assert engine.next_pause(later) == 0.0  # just blocked: tight
+    assert engine.next_pause(later + 2e-3) == pytest.approx(1e-3)
+    engine.blocked_callers = 0
+    assert engine.next_pause(later + 2e-3) == pytest.approx(ProgressPolicy().max_sleep_s)
+
+
+def test_a_blocked_caller_is_counted_only_while_it_waits() -> None:
+    from asynclock._core.runtime.coordinator import Coordinator
+    from asynclock._core.transports.local import LocalBackend
+
+    coord = Coordinator(LocalBackend())
+    seen: list[int] = []
+
+    async def inside() -> None:
+        seen.append(coord._engine.blocked_callers)
+
+    async def fails() -> None:
+        raise ValueError("bad input")
+
+    try:
+        coord.run_sync(inside)
+        with pytest.raises(ValueError):
+            coord.run_sync(fails)
+        coord.run_sync(inside)
+    finally:
+        coord.shutdown()
+    assert seen == [1, 1]

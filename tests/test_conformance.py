@@ -29,6 +29,8 @@ _SPEC.loader.exec_module(conformance)
 DEVIATIONS = tomllib.loads((HERE / "deviations.toml").read_text())
 EXCUSED = {**DEVIATIONS["intended"], **DEVIATIONS["known"], **DEVIATIONS["horovod"]}
 DESELECT_AT_3 = DEVIATIONS["deselect_at_3"]
+TIMING = DEVIATIONS["timing"]
+TIMING_RERUNS = 2
 
 
 def test_deviations_are_few_and_explained() -> None:
@@ -74,8 +76,25 @@ def _suite(nranks: int, file: str, tmp_path: Path, kind: str,
                    and t not in skipped_here}
     counts = summary["counts"]
     where = f"{file} at {nranks} ranks on {summary['mpi']}"
+    for test in sorted(set(regressions) & set(TIMING)):
+        if _passes_alone(test, nranks, file, tmp_path, kind):
+            print(f"{where}: {test} failed in the whole run and passed alone "
+                  f"(compares times across ranks: deviations.toml [timing])")
+            del regressions[test]
     detail = (tmp_path / "output.txt").read_text()[-4000:]
     assert not regressions, (f"{where}: {counts}; passing on Horovod but "
                              f"not here: {regressions}\n{detail}")
     assert not summary["timed_out"], f"the job hit its timeout: {counts}\n{detail}"
     print(f"{where}: {counts} in {summary['seconds']} s")
+
+
+def _passes_alone(test: str, nranks: int, file: str, tmp_path: Path, kind: str) -> bool:
+    """Run one [timing] test in jobs of its own until it passes, `TIMING_RERUNS` at most."""
+    for attempt in range(TIMING_RERUNS):
+        summary = conformance.run("asynclock", nranks, tmp_path / f"{test}-{attempt}", kind=kind,
+                                  files=(file,), timeout=JOB_TIMEOUT_S, test_timeout=60,
+                                  env={"ASYNCLOCK_CONFORMANCE_SELECT": test})
+        tests: dict[str, str] = summary["tests"]  # type: ignore[assignment]
+        if tests.get(test) == "passed":
+            return True
+    return False

@@ -22,6 +22,12 @@ class ProgressPolicy:
     min_sleep_s: float = 1e-3
     max_sleep_s: float = 20e-3
     sleep_fraction: float = 0.05
+    # While a synchronous caller's thread is blocked on the loop (Horovod-style
+    # calls), no sleep is longer than this, Horovod's default cycle time: that
+    # caller's latency is all its thread does, and a rank that noticed a
+    # completion 20 ms after its peers would skew every timing measured across
+    # ranks from it (a barrier after a long wait returns that much late).
+    blocked_max_sleep_s: float = 1e-3
     thread_min_bytes: int = 1 << 20
     # A call some ranks issued and the others never did fails (UnmatchedError)
     # once every rank waits on such calls and each has waited this long.

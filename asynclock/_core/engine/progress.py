@@ -97,6 +97,7 @@ class Engine:
         self._call_soon: Callable[[Callable[[], object]], None] | None = None
         self.running = False
         self.eager_until = 0.0  # poll tightly until then (a blocked synchronous caller)
+        self.blocked_callers = 0  # synchronous callers waiting on the loop (loop thread only)
         self.failure: BaseException | None = None  # set by fail_all: the job is over
         # Observer hook (asynclock.timeline.attach): ("issue" | "data" | "done", op,
         # time.perf_counter()). Each call site tests for None, so off costs nothing.
@@ -323,16 +324,23 @@ class Engine:
                 # the GIL the thread needs to return).
                 await self._sleep_until_woken(_sooner(self.policy.max_sleep_s, cap))
                 continue
-            now = time.perf_counter()
-            # Patient ops (and thread-waited ones) skip the tight phase; a blocked
-            # synchronous caller (`eager_until`) keeps it.
-            patient = all(op.patient or op.threaded for op in self.inflight)
-            pause = 0.0 if now < self.eager_until else self._backoff.next_sleep(
-                now, tight=not patient)
+            pause = self.next_pause(time.perf_counter())
             if pause <= 0.0:
                 await anyio.sleep(0)
             else:
                 await self._sleep_until_woken(_sooner(pause, cap))
+
+    def next_pause(self, now: float) -> float:
+        """The poller's next sleep while ops are in flight (0.0: a bare checkpoint).
+
+        Patient ops (and thread-waited ones) skip the tight phase; a synchronous
+        caller that has just blocked (`eager_until`) is served tightly, and one
+        still blocked after that never waits more than `blocked_max_sleep_s`."""
+        if now < self.eager_until:
+            return 0.0
+        patient = all(op.patient or op.threaded for op in self.inflight)
+        cap = self.policy.blocked_max_sleep_s if self.blocked_callers else None
+        return self._backoff.next_sleep(now, tight=not patient, max_s=cap)
 
     async def _sleep_until_woken(self, timeout: float | None) -> None:
         await self._alarm.sleep(timeout)

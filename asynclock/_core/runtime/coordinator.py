@@ -304,14 +304,20 @@ class Coordinator(Collectives, SyncPrimitives):
 
         The caller's thread is blocked meanwhile, so latency is all that counts:
         the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
-        1 ms sleeps, which would add most of a sleep to every small call.
+        1 ms sleeps, which would add most of a sleep to every small call, and
+        past that never sleeps longer than `blocked_max_sleep_s` while it waits.
         """
         result: T = self._sync_portal().call(self._eagerly, fn, *args)
         return result
 
     async def _eagerly(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        self._engine.eager_until = time.perf_counter() + SYNC_EAGER_S
-        return await fn(*args)
+        engine = self._engine
+        engine.eager_until = time.perf_counter() + SYNC_EAGER_S
+        engine.blocked_callers += 1
+        try:
+            return await fn(*args)
+        finally:
+            engine.blocked_callers -= 1
 
     def _sync_portal(self) -> anyio.from_thread.BlockingPortal:
         self._check_open()
