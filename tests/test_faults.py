@@ -47,6 +47,7 @@ from asynclock._core.runtime.watchdog import (
     Watchdog,
     WatchdogPolicy,
     missing_ranks,
+    reason_for_peers,
     stall_text,
 )
 
@@ -422,6 +423,20 @@ def test_peer_failure_is_relayed_with_its_reason() -> None:
     dog2 = _dog()
     dog2._on_status(2, PeerStatus(FAILED, reason="rank 1 is unreachable: ..."), 0.0)
     assert dog2.stopping == "rank 1 is unreachable: ... (reported by rank 2)"
+
+
+def test_a_relayed_stop_keeps_the_words_of_the_rank_that_decided_it() -> None:
+    """Rank 2 heard rank 0's stall stop and stops too; rank 1 may hear rank 2 first."""
+    dog = _dog()
+    dog.rank = 2
+    dog._on_status(0, PeerStatus(FAILED, reason="rank 0 stopped the job: stall: waiting"), 0.0)
+    told = reason_for_peers(2, dog.stopping or "", dog._relayed)
+    assert told == "rank 0 stopped the job: stall: waiting"
+    rank1 = _dog()
+    rank1.rank = 1
+    rank1._on_status(2, PeerStatus(FAILED, reason=told), 0.0)
+    assert rank1.stopping == "rank 0 stopped the job: stall: waiting (reported by rank 2)"
+    assert reason_for_peers(0, "stall: waiting", False) == "rank 0 stopped the job: stall: waiting"
 
 
 def test_silent_peer_is_declared_dead() -> None:

@@ -160,6 +160,15 @@ def relay_text(peer: int, reason: str) -> str:
     return reason if reason.startswith(f"rank {peer} ") else f"{reason} (reported by rank {peer})"
 
 
+def reason_for_peers(rank: int, message: str, relayed: bool) -> str:
+    """What this rank's `failed` status says: the job's stop names the rank that
+    decided it. A relayed stop keeps its origin's words, so a rank that hears it
+    from a second peer first reads the same reason, not one nested in another."""
+    if relayed or message.startswith(f"rank {rank} "):
+        return message
+    return f"rank {rank} stopped the job: {message}"
+
+
 def _thread_multiple() -> bool:
     from mpi4py import MPI
 
@@ -183,6 +192,7 @@ class Watchdog:
         self._closed_seen: dict[tuple[int, int], float] = {}  # (peer, op) -> first verdict
         self._wake, self._stop, self._told = threading.Event(), threading.Event(), threading.Event()
         self._fatal: tuple[str, type[Exception] | None, bool] | None = None
+        self._relayed = False  # the stop came from a peer's `failed` status
         self.stopping: str | None = None
         self.exit_code = 0
         self._job_code = 0  # a `sys.exit(n)` somewhere: every rank ends with n
@@ -334,6 +344,7 @@ class Watchdog:
             self._closed.add(peer)
         elif st.state == FAILED and self.stopping is None:
             self._job_code = st.exit_code  # a `sys.exit(n)`: relayed, so every rank ends with n
+            self._relayed = True
             self._set_fatal(relay_text(peer, st.reason), RankFailedError,
                             st.exit_code or EXIT_RANK_FAILED)
 
@@ -404,8 +415,7 @@ class Watchdog:
         if local:
             write_stderr(f"asynclock[rank {self.rank}]: {message}{doing}; "
                          f"stopping the job (exit {self.exit_code})\n")
-        reason = message if message.startswith(f"rank {self.rank} ") else (
-            f"rank {self.rank} stopped the job: {message}")
+        reason = reason_for_peers(self.rank, message, self._relayed)
         try:
             self._send_all(self._status(snap, FAILED, reason[:2000]))
         except Exception as exc:
