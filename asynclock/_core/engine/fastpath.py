@@ -1,4 +1,5 @@
-"""The optional C header round (`asynclock/_core/engine/_fastpath.c`): build it, find it, load it.
+"""The C twin of the header round (`_fastpath.c`; see `engine.header_round`): build it,
+find it, load it.
 
 One build per MPI library (MPICH and Open MPI differ in ABI), named by a
 checksum of `MPI.Get_library_version()` and compiled with that MPI's own
@@ -69,8 +70,7 @@ def load() -> ModuleType | None:
     return module
 
 
-# the C enum: exchange() results, and folds by (dtype code, op); others fold in numpy
-DONE_FOLDED, DIFFERENT, IN_FLIGHT, DONE = 0, 1, 2, 3
+# the C round's folds by (dtype code, op); others fold in numpy
 _F32, _F64, _I32, _I64 = (DTYPE_CODES[n] for n in ("float32", "float64", "int32", "int64"))
 FOLDS: dict[tuple[int, ReduceOp], int] = {
     (_F32, ReduceOp.SUM): 1, (_F64, ReduceOp.SUM): 2, (_I32, ReduceOp.SUM): 3,
@@ -82,7 +82,8 @@ _MODULE: list[ModuleType | None] = []  # loaded once per process
 
 
 def round_for(transport: Any, send: Any, recv: Any) -> Any:
-    """A C round on the transport's MPI header communicator, or None (Python path)."""
+    """A C round on the transport's MPI header communicator, or None (where it is not
+    built or the transport has none: `header_round.PythonRound` then)."""
     comm = getattr(transport, "hdr", None)
     if comm is None:
         comm = getattr(getattr(transport, "mpi", None), "hdr", None)
@@ -114,13 +115,6 @@ def take_request(rnd: Any) -> Any:
     req = MPI.Request()
     rnd.give(MPI._addressof(req))
     return req
-
-
-def finished_request() -> Any:
-    """A request that tests complete (MPI_REQUEST_NULL): a round the C code finished."""
-    from mpi4py import MPI
-
-    return MPI.Request()
 
 
 def compiler() -> str | None:

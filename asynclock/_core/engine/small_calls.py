@@ -55,7 +55,7 @@ from ..base.ops import (
 )
 from ..base.reduce import HALF, finish_average_inplace, fold
 from ..base.tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wrapper
-from . import fastpath, staging
+from . import fastpath, header_round, staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .handle import Handle
 from .operation import Lane, Operation
@@ -64,7 +64,7 @@ from .progress import Engine
 Array = np.ndarray[Any, Any]
 
 NOT_TINY: Any = object()  # "take the general path": nothing was issued
-FOLDED: Any = object()  # the C round folded the result into `out` already
+FOLDED: Any = object()  # the round folded the result into `out` already
 # Every 64th call yields to the loop once it finished (`collectives._yield_then`).
 YIELD_MASK = 63
 _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cache forever
@@ -99,7 +99,6 @@ class TinyCollectives:
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
         self._engine, self._lane, self._size = engine, lane, lane.size
-        self._pair = lane.size == 2
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
         self.handed_off = self.data_handed_off = 0
@@ -112,10 +111,7 @@ class TinyCollectives:
         """Fresh slots: the old ones now belong to an operation in flight."""
         self._send = np.zeros(SLOT_WORDS, np.int64)
         self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
-        self._send_bytes = self._send.view(np.uint8).data
-        transport = self._lane.transport  # MPI: the communicator's own Iallgather
-        self._start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
-        self._round = fastpath.round_for(transport, self._send, self._recv)  # None: Python
+        self._round = header_round.round_for(self._lane.transport, self._send, self._recv)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
@@ -222,7 +218,7 @@ class TinyCollectives:
     def _exchange(self, sig: Signature, data: Array | None, out: Array | None = None,
                   whole: bool = True) -> Any:
         """Issue the header round and spin: None once it completed and every rank
-        agreed (else the general path's error is raised), FOLDED when the C round
+        agreed (else the general path's error is raised), FOLDED when the round
         also folded the inline rows into `out`, or the request: still in flight,
         or finished with joined ranks standing in. Kept flat: a Python call is a
         measurable share of a small collective's time. `whole`: the round is the
@@ -230,46 +226,19 @@ class TinyCollectives:
         time after the data."""
         rnd, lane = self._round, self._lane
         taught = lane if whole else None
-        if rnd is None:
-            return self._exchange_python(sig, b"" if data is None else data.tobytes(), taught)
         seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
         lane.seq += sig.bump
         lane.rounds += 1
         issued_at = self._issued_at = time.perf_counter()
         state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
                              sig.fold if out is not None else 0, out)
-        if state == fastpath.DONE_FOLDED:
+        if state == header_round.DONE_FOLDED:
             self._engine.count_synchronous(issued_at, taught)
             return FOLDED
-        if state == fastpath.IN_FLIGHT:
-            return fastpath.take_request(rnd)
-        if state == fastpath.DIFFERENT and self._check(sig):
-            return fastpath.finished_request()  # a rank joined: the general path folds
-        self._engine.count_synchronous(issued_at, taught)
-        return None
-
-    def _exchange_python(self, sig: Signature, payload: bytes, taught: Lane | None) -> Any:
-        """`_exchange` where the C round is not built (mpi4py calls, same bytes)."""
-        lane, send_bytes = self._lane, self._send_bytes
-        send_bytes[:HEADER_BYTES] = sig.header
-        seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
-        lane.seq += sig.bump
-        lane.rounds += 1
-        self._send[1] = seq  # W_SEQ
-        send_bytes[HEADER_BYTES:sig.end] = payload
-        issued_at = self._issued_at = time.perf_counter()
-        req = self._start(self._send, self._recv)
-        deadline = issued_at + self._engine.spin_for(self._lane)
-        while not req.Test():
-            if time.perf_counter() >= deadline:
-                return req
-        if self._pair:  # the common case, inlined: ranks 0 and 1 sent the same header
-            raw = self._recv.tobytes()
-            if raw[:HEADER_BYTES] != raw[SLOT_BYTES:SLOT_BYTES + HEADER_BYTES] and \
-                    self._check(sig):
-                return req  # finished, but a rank joined: the general path folds it
-        elif self._size > 2 and not self._agree() and self._check(sig):
-            return req
+        if state == header_round.IN_FLIGHT:
+            return header_round.take_request(rnd)
+        if state == header_round.DIFFERENT and self._check(sig):
+            return header_round.finished_request()  # a rank joined: the general path folds
         self._engine.count_synchronous(issued_at, taught)
         return None
 
@@ -285,13 +254,6 @@ class TinyCollectives:
             return obj
         sig.finish(out.reshape(-1))
         return _wrap(obj, sig.code)(out)
-
-    def _agree(self) -> bool:
-        """Every rank's header bytes equal ours (the general path's `agree`)."""
-        raw = self._recv.tobytes()
-        first = raw[:HEADER_BYTES]
-        return all(raw[r * SLOT_BYTES: r * SLOT_BYTES + HEADER_BYTES] == first
-                   for r in range(1, self._size))
 
     def _check(self, sig: Signature) -> bool | tuple[int, ...]:
         """Headers differ: on a lane by name, hand the round to the general path,
