@@ -104,11 +104,11 @@ class BucketSync:
     @contextmanager
     def comm(self) -> Iterator[BucketSync]:
         """Collectives started inside stage after `ready` and report `done` here."""
-        token = _LINK.set(self)
+        token = _BUCKET_SYNC.set(self)
         try:
             yield self
         finally:
-            _LINK.reset(token)
+            _BUCKET_SYNC.reset(token)
 
     def consume(self, where: Any = None) -> None:
         """Make the consumer's stream (default: current, bucket's device) wait for `done`.
@@ -129,9 +129,9 @@ class BucketSync:
         return f"<BucketSync ready={self.ready is not None} done={self.done is not None}>"
 
 
-_LINK: ContextVar[BucketSync | None] = ContextVar("asynclock_cuda_link", default=None)
+_BUCKET_SYNC: ContextVar[BucketSync | None] = ContextVar("asynclock_bucket_sync", default=None)
 
 
-def current_link() -> BucketSync | None:
+def current_bucket_sync() -> BucketSync | None:
     """The BucketSync whose `comm()` block is active, if any."""
-    return _LINK.get()
+    return _BUCKET_SYNC.get()

@@ -47,7 +47,7 @@ from typing import Any
 from ..base import tensors
 from ..base.tensors import Buffer, InputFault, InputRejected, as_buffer
 from ..device.device import copy_streams
-from ..device.events import BucketSync, current_link, record
+from ..device.events import BucketSync, current_bucket_sync, record
 from .operation import Lane, Operation
 from .progress import Engine
 
@@ -61,15 +61,15 @@ class Staged:
     arrays) are wrapped as new device tensors.
     """
 
-    __slots__ = ("device_tensor", "host", "host_wrap", "ready", "link", "copied", "done")
+    __slots__ = ("device_tensor", "host", "host_wrap", "ready", "bucket_sync", "copied", "done")
 
     def __init__(self, device_tensor: Any, host: Any, host_wrap: Callable[[Array], Any],
-                 ready: Any, link: BucketSync | None) -> None:
+                 ready: Any, bucket_sync: BucketSync | None) -> None:
         self.device_tensor = device_tensor
         self.host = host
         self.host_wrap = host_wrap
         self.ready = ready
-        self.link = link
+        self.bucket_sync = bucket_sync
         self.copied: Any = None
         self.done: Any = None
         _USED[0] = True  # from now on `submit` looks at every operation
@@ -120,9 +120,9 @@ class Staged:
     def mark_done(self, done: Any) -> None:
         """Publish the event consumers wait for (also to the active BucketSync)."""
         self.done = done
-        if self.link is not None:
-            self.link.done = done
-            self.link.device = self.device_tensor.device
+        if self.bucket_sync is not None:
+            self.bucket_sync.done = done
+            self.bucket_sync.device = self.device_tensor.device
 
 
 def _torch() -> Any:
@@ -141,14 +141,14 @@ def stage_tensor(t: Any) -> Buffer:
                             f"{tuple(t.shape)} (call .contiguous() first)")
     try:
         host = _torch().empty(t.shape, dtype=t.dtype, pin_memory=True)
-        link = current_link()
-        ready = link.ready if link is not None and link.ready is not None else record(t)
+        sync = current_bucket_sync()
+        ready = sync.ready if sync is not None and sync.ready is not None else record(t)
     except Exception as exc:  # no CUDA runtime, pinned memory exhausted, ...
         raise InputRejected(InputFault.WRONG_DEVICE,
                             f"cannot stage {t.device} tensor through pinned host memory: "
                             f"{type(exc).__name__}: {exc}") from exc
     buf = as_buffer(host)
-    staged = Staged(t, host, buf.wrap, ready, link)
+    staged = Staged(t, host, buf.wrap, ready, sync)
     buf.source, buf.wrap = t, staged
     return buf
 

@@ -45,7 +45,7 @@ from ..base.backoff import Backoff, poll_until
 from ..base.errors import RankFailedError, StallError
 from ..base.from_thread import name_os_thread
 from ..engine.progress import Engine, EngineSnapshot, InflightOp
-from ..transports.heartbeat import HeartbeatLink
+from ..transports.heartbeat import Heartbeats
 from .exits import EXIT_RANK_FAILED, EXIT_STALL, hard_exit, write_stderr
 
 log = logging.getLogger("asynclock.watchdog")
@@ -178,9 +178,9 @@ def _thread_multiple() -> bool:
 class Watchdog:
     """The heartbeat thread of one rank; `close()` is the clean shutdown."""
 
-    def __init__(self, link: HeartbeatLink | None, engine: Engine, rank: int, size: int,
+    def __init__(self, heartbeats: Heartbeats | None, engine: Engine, rank: int, size: int,
                  policy: WatchdogPolicy | None = None) -> None:
-        self.link, self.engine, self.rank, self.size = link, engine, rank, size
+        self.heartbeats, self.engine, self.rank, self.size = heartbeats, engine, rank, size
         self.policy = policy or WatchdogPolicy.from_env()
         self.peers: dict[int, PeerStatus | None] = {r: None for r in range(size) if r != rank}
         now = time.monotonic()
@@ -207,15 +207,15 @@ class Watchdog:
 
     @classmethod
     def start_for(cls, backend: Any, engine: Engine, rank: int, size: int) -> Watchdog | None:
-        """Start one when the transport has a heartbeat link and peers."""
-        link: HeartbeatLink | None = getattr(backend, "watchdog_link", None)
-        if link is None or size <= 1 or not settings.flag("ASYNCLOCK_WATCHDOG"):
+        """Start one when the transport carries heartbeats and there are peers."""
+        heartbeats: Heartbeats | None = getattr(backend, "heartbeats", None)
+        if heartbeats is None or size <= 1 or not settings.flag("ASYNCLOCK_WATCHDOG"):
             return None
-        if link.needs_thread_multiple and not _thread_multiple():
+        if heartbeats.needs_thread_multiple and not _thread_multiple():
             log.warning("asynclock[rank %d]: MPI is not MPI_THREAD_MULTIPLE: no heartbeats, "
                         "so a dead or frozen rank will not be detected", rank)
             return None
-        dog = cls(link, engine, rank, size)
+        dog = cls(heartbeats, engine, rank, size)
         dog.start()
         return dog
 
@@ -304,12 +304,12 @@ class Watchdog:
                 oldest.age_s if oldest else 0.0, self._lag, reason, self._job_code)
 
     def _send_all(self, status: tuple[Any, ...]) -> None:
-        link = self.link
-        if len(self._sends) > MAX_PENDING_SENDS or link is None:
+        heartbeats = self.heartbeats
+        if len(self._sends) > MAX_PENDING_SENDS or heartbeats is None:
             return
         for peer in self.peers:
             if peer not in self._closed and peer not in self._dead:
-                self._sends.append((peer, link.send(status, peer)))
+                self._sends.append((peer, heartbeats.send(status, peer)))
                 self._sent += 1
 
     def _reap(self, *, quiet: bool = False) -> None:
@@ -332,8 +332,8 @@ class Watchdog:
             raise error
 
     def _drain(self, now: float) -> None:
-        assert self.link is not None
-        for peer, status in self.link.receive():
+        assert self.heartbeats is not None
+        for peer, status in self.heartbeats.receive():
             self._on_status(peer, PeerStatus(*status), now)
 
     def _on_status(self, peer: int, st: PeerStatus, now: float) -> None:
@@ -435,7 +435,7 @@ class Watchdog:
         no goodbye: what fails to reach a peer here is no error, only logged at
         debug level. A peer's own `closing` is read first, so it is not even tried.
         """
-        assert self.link is not None
+        assert self.heartbeats is not None
         try:
             self._drain(time.monotonic())
         except Exception as exc:
@@ -445,7 +445,7 @@ class Watchdog:
             if peer in self._closed or peer in self._dead:
                 continue
             try:
-                self._sends.append((peer, self.link.send(status, peer)))
+                self._sends.append((peer, self.heartbeats.send(status, peer)))
             except Exception as exc:
                 log.debug("asynclock[rank %d]: rank %d has left: %r", self.rank, peer, exc)
         self._flush_sends(2.0)

@@ -21,7 +21,7 @@ from .mailbox import P2P, Mailbox
 TAG = 0x4842  # the watchdog communicator's only tag
 
 
-class HeartbeatLink(Protocol):
+class Heartbeats(Protocol):
     """Non-blocking sends of picklable statuses, and a drain of what arrived."""
 
     needs_thread_multiple: bool
@@ -31,7 +31,7 @@ class HeartbeatLink(Protocol):
     def receive(self) -> list[tuple[int, Any]]: ...
 
 
-class MPILink:
+class MPIHeartbeats:
     """Heartbeats on a communicator of their own (`MPIBackend.watchdog_comm`)."""
 
     needs_thread_multiple = True
@@ -51,7 +51,7 @@ class MPILink:
         return got
 
 
-class MailboxLink:
+class MailboxHeartbeats:
     """Heartbeats on a TCP mesh of their own (no MPI world: `horovodrun --gloo`)."""
 
     needs_thread_multiple = False

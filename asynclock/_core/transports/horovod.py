@@ -45,7 +45,7 @@ from ..base.backoff import Backoff, poll_until
 from ..base.errors import BackendError
 from ..base.ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request, close_channel_of
-from .heartbeat import MailboxLink, MPILink
+from .heartbeat import MailboxHeartbeats, MPIHeartbeats
 from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
 from .mailbox import AGREE, DATA, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
@@ -352,9 +352,9 @@ class HorovodBackend:
         self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
         self._prefix = f"asynclock{next(_instances)}"
         self._mailbox = None if self._mpi is not None else self._mesh(hvd, "mailbox")
-        self.watchdog_link: MPILink | MailboxLink = (
-            self._mpi.watchdog_link if self._mpi is not None
-            else MailboxLink(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
+        self.heartbeats: MPIHeartbeats | MailboxHeartbeats = (
+            self._mpi.heartbeats if self._mpi is not None
+            else MailboxHeartbeats(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
         self._channels: list[HorovodChannel] = []
         self._ports = itertools.count()  # mailbox channel ids: never reused after a close
 
@@ -418,8 +418,8 @@ class HorovodBackend:
         self._channels.clear()
         if self._mailbox is not None:
             self._mailbox.close()
-        if isinstance(self.watchdog_link, MailboxLink):
-            self.watchdog_link.close()  # the watchdog said `closing` before this
+        if isinstance(self.heartbeats, MailboxHeartbeats):
+            self.heartbeats.close()  # the watchdog said `closing` before this
         if self._owns_horovod:
             _hvd().shutdown()
         if self._mpi is not None:

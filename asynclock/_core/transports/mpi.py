@@ -11,7 +11,7 @@ import numpy as np
 from ..base.ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
-from .heartbeat import MPILink
+from .heartbeat import MPIHeartbeats
 from .ring import ring_allreduce_half
 
 
@@ -153,7 +153,7 @@ class MPIBackend:
         # never match anything else and a busy data channel cannot delay them.
         self.watchdog_comm = self.world.Dup()
         self.watchdog_comm.Set_name("runtime.watchdog")
-        self.watchdog_link = MPILink(self.watchdog_comm)
+        self.heartbeats = MPIHeartbeats(self.watchdog_comm)
 
     def channel(self, name: str) -> MPIChannel:
         """Collective call: every rank must create channels in the same order."""

@@ -22,7 +22,7 @@ from ..._core.runtime.coordinator import Coordinator
 
 
 @dataclass(frozen=True)
-class LoopLink:
+class LoopAccess:
     call_soon: Callable[[Callable[[], object]], None]
     run: Callable[..., Any]  # run(async_fn, *args) from a thread other than the loop's
     loop_thread: int
@@ -35,17 +35,17 @@ async def _capture() -> tuple[Callable[[Callable[[], object]], None], int]:
     return loop_caller(), threading.get_ident()
 
 
-def sync_link(coord: Coordinator) -> LoopLink:
+def private_loop(coord: Coordinator) -> LoopAccess:
     """For the Horovod API: the coordinator's private loop thread."""
     call_soon, ident = coord.run_sync(_capture)
-    return LoopLink(call_soon, coord.run_sync, ident)
+    return LoopAccess(call_soon, coord.run_sync, ident)
 
 
-def async_link() -> LoopLink:
+def running_loop() -> LoopAccess:
     """For the async API; call on the loop that runs the coordinator."""
     token = anyio.lowlevel.current_token()
 
     def run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return anyio.from_thread.run(fn, *args, token=token)  # type: ignore[arg-type]
 
-    return LoopLink(loop_caller(), run, threading.get_ident())
+    return LoopAccess(loop_caller(), run, threading.get_ident())

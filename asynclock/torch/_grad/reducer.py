@@ -38,7 +38,7 @@ from ..._core.runtime.coordinator import Coordinator
 from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
 from .hooks import Bucketer
-from .loop_access import LoopLink
+from .loop_access import LoopAccess
 from .priority import link_speed, priority_launch
 from .registry import ParamRegistry
 from .run import StepRun
@@ -133,10 +133,10 @@ Params = list[torch.nn.Parameter]
 class Reducer:
     """Owns the hooks on one optimizer's parameters."""
 
-    def __init__(self, coord: Coordinator, link: LoopLink, registry: ParamRegistry,
+    def __init__(self, coord: Coordinator, loop: LoopAccess, registry: ParamRegistry,
                  options: ReduceOptions, step: Callable[[Params], None],
                  zero: Callable[[Params, bool], None], lane: Lane) -> None:
-        self.coord, self.link, self.registry, self.options = coord, link, registry, options
+        self.coord, self.loop, self.registry, self.options = coord, loop, registry, options
         self.grad_lane = lane
         self.lane: LaneCollectives = coord.on_lane(lane)
         self.pre, self.post = options.scales(lane.size)  # a process set's, or the world's
@@ -147,7 +147,7 @@ class Reducer:
         self.scheduler = Scheduler(coord.engine, lane, options.window_bytes)
         self.bucketer = Bucketer(registry, self.storage, self._new_run, self._notify)
         self.bucketer.scale = self.pre
-        self.bucketer.on_loop_thread = link.on_loop_thread
+        self.bucketer.on_loop_thread = loop.on_loop_thread
         self.replan_due = options.replan
         self.broken: BaseException | None = None  # a failed bucket desynchronizes the channel
         self.transport: ShmTransport | None = None
@@ -159,7 +159,7 @@ class Reducer:
         self.shards: Shards | None = None  # sharded: this rank's pieces, in the node window
         self._shard_with: tuple[torch.optim.Optimizer, type[torch.optim.Optimizer]] | None = None
         self.updates = Updates(registry.params, self.unpack, self._apply, self._zero_grads,
-                               link.on_loop_thread, registry.describe)
+                               loop.on_loop_thread, registry.describe)
         self.bucketer.register()
         _live.add(self)
 
@@ -183,7 +183,7 @@ class Reducer:
         if run.transport is not None:
             run.transport.packed(run, k)
         else:
-            self.link.call_soon(partial(self.scheduler.ready, run, k))
+            self.loop.call_soon(partial(self.scheduler.ready, run, k))
 
     def bucket_counts(self) -> tuple[int, int]:
         """Buckets launched and completed so far, whichever way they went."""
@@ -280,7 +280,7 @@ class Reducer:
         event = run.done[k]
         if event.is_set():
             return
-        if self.link.on_loop_thread():
+        if self.loop.on_loop_thread():
             raise RuntimeError("waiting for a gradient bucket on the event loop thread would "
                                "block the loop; run this forward/step in a worker thread "
                                "(`await step.forward(...)`) or turn forward gating off")
@@ -371,7 +371,7 @@ class Reducer:
         mine = (self._proposal(run) if self.grad_lane.rank == 0 else None,
                 self.options.shm and eligible(self.coord, self.grad_lane))
         try:
-            every = self.link.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
+            every = self.loop.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
         except JoinedError:  # a rank joined before its first round: re-plan when all are back
             self.replan_due = True
             return False
@@ -412,7 +412,7 @@ class Reducer:
                                     completed + self.transport.completed)
         self.transport = None if arena is None else ShmTransport(
             self.coord.engine, self.grad_lane, arena, plan, storage.peers, self.post,
-            self.link.call_soon, storage.handed)
+            self.loop.call_soon, storage.handed)
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1

@@ -40,7 +40,7 @@ from ..._core.runtime.coordinator import Coordinator
 from .apply import only, settings_of
 from .compression import Compression
 from .gate import ForwardGate, check_gate_covers
-from .loop_access import async_link
+from .loop_access import running_loop
 from .options import Tuning, build_options
 from .reducer import Finish, Params, Reducer, check_shard_transport, gradient_lane
 from .registry import ParamRegistry
@@ -89,7 +89,7 @@ class TrainStep:
                                      gradient_predivide_factor=gradient_predivide_factor,
                                      groups=groups, tuning=tuning or Tuning(),
                                      gated=gate_forward)
-        self.link = async_link()
+        self.loop = running_loop()
         self.mode = (Finish.DEFERRED if gate_forward else
                      Finish.PER_BUCKET if per_bucket_step else Finish.WHOLE)
         self._reducer: Reducer | None = None
@@ -119,7 +119,7 @@ class TrainStep:
         self._shard_wanted = self._shard_wanted and lane.size > 1  # one rank: nothing to share
         if self._shard_wanted:
             check_shard_transport(self.coord, lane, self.options)
-        reducer = Reducer(self.coord, self.link, self.registry, self.options,
+        reducer = Reducer(self.coord, self.loop, self.registry, self.options,
                           self._step_params, self._zero_params, lane)
         self._reducer = reducer
         if self._shard_wanted:

@@ -26,7 +26,7 @@ from ..._core.engine.operation import Lane
 from ..._core.runtime import coordinator as runtime
 from .._grad.apply import only, settings_of
 from .._grad.gate import ForwardGate, check_gate_covers
-from .._grad.loop_access import sync_link
+from .._grad.loop_access import private_loop
 from .._grad.options import Tuning, build_options
 from .._grad.reducer import (
     Finish,
@@ -64,12 +64,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
         if gate_model is not None:
             check_gate_covers(gate_model, registry)
-        link = sync_link(coord)
+        loop = private_loop(coord)
         lane = _lane_for(coord, process_set)
         shard = shard and lane.size > 1  # one rank alone has nothing to share
         if shard:
             check_shard_transport(coord, lane, opts)
-        self._reducer = Reducer(coord, link, registry, opts, self._step_params, self._zero_params,
+        self._reducer = Reducer(coord, loop, registry, opts, self._step_params, self._zero_params,
                                 lane)
         self._shard_wanted = shard
         self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
