@@ -44,6 +44,10 @@ RUNNERS = ("auto", "mpiexec", "embedded", "system", "horovodrun", "srun")
 # Variables Open MPI must be told to forward (-x): local ranks inherit, remote ones do not.
 FORWARD_PREFIXES = ("ASYNCLOCK_", "PYTHON", "MPI4PY_", "OMP_", "HOROVOD_", "NCCL_", "CUDA_",
                     "TORCH", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV")
+# The srun plugin that wires up each of the project's MPIs (`srun --mpi=list`): Debian's
+# Open MPI is built against PMIx; MPICH speaks PMI-1/PMI-2 only, aborts in MPI_Init under
+# pmix ("unsupported PMI version PMIx"), and under `--mpi=none` every rank is a singleton.
+SRUN_PLUGINS = {"Open MPI": "pmix", "MPICH": "pmi2"}
 _HOST_FLAGS = {"hydra": ("-hosts", "-f"), "openmpi": ("--host", "--hostfile"),
                "horovodrun": ("-H", "--hostfile"), "srun": ("--nodelist", "--nodelist")}
 
@@ -240,13 +244,20 @@ def _horovodrun_plan(args: argparse.Namespace, n: int) -> Plan:
     return plan
 
 
+def _names_srun_plugin(launcher_args: Sequence[str]) -> bool:
+    return any(a == "--mpi" or a.startswith("--mpi=") for a in launcher_args)
+
+
 def _srun_plan(args: argparse.Namespace, n: int | None) -> Plan:
-    """srun: Slurm wires up PMI; `--mpi KIND` also picks the libmpi mpi4py loads."""
+    """srun: Slurm wires up PMI. `--mpi KIND` also picks the libmpi mpi4py loads and,
+    unless `--launcher-arg=--mpi=...` names one, the srun plugin that MPI answers to."""
     sel = load_mpi_select() if args.mpi else None
     env = sel.environ_for(args.mpi) if sel is not None else dict(os.environ)
     _apply_user_env(args, env)
     plan = Plan("srun", [], env)
     argv = ["srun", "--kill-on-bad-exit=1"] + (["-n", str(n)] if n is not None else [])
+    if sel is not None and not _names_srun_plugin(args.launcher_arg):
+        argv.append(f"--mpi={SRUN_PLUGINS[sel.describe(args.mpi)['vendor']]}")
     plan.argv = argv + _host_args(args, "srun", plan) + args.launcher_arg + program_argv(args)
     return plan
 

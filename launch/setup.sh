@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with everything asynclock needs; idempotent, pip-only (no root).
 #   bash launch/setup.sh            # core + embedded MPI (pip mpich) + torch 2.13 CPU
-#   ASYNCLOCK_SETUP_SYSTEM_MPI=1    # also apt-install Debian Open MPI (root), for horovodrun
+#   ASYNCLOCK_SETUP_SYSTEM_MPI=1    # also apt-install Debian Open MPI (root), for horovodrun,
+#                                   # and Slurm + munge, for tests/test_slurm.py
 #   ASYNCLOCK_SETUP_HOROVOD=1       # also build Horovod 0.28.1 against torch and that MPI
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,11 @@ for pkg in "${want[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then log "installing ${missing[*]}"; pipi "${missing[@]}"; fi
 
-if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then bash mpi/install_system_mpi.sh; fi
+if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then
+  bash mpi/install_system_mpi.sh
+  # Only the Slurm tests need it: they skip, saying why, when it is missing.
+  bash launch/install_slurm.sh || log "Slurm not installed: tests/test_slurm.py will skip"
+fi
 # Installed (editable) from *this* checkout? Checked from / so the cwd does not count.
 here=$(pwd -P)
 (cd / && "$VPY" -c "import asynclock, os, sys; sys.exit(not os.path.realpath(asynclock.__file__).startswith('$here/'))") 2>/dev/null \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # README command 2: set up everything the suite needs and run all tests.
-# As root it also installs Debian's Open MPI (horovodrun's MPI controller needs it) and
+# As root it also installs Debian's Open MPI (horovodrun's MPI controller needs it), Slurm
+# and munge (tests/test_slurm.py starts a private cluster), and
 # builds Horovod 0.28.1 against torch and that MPI (cached: ~3 min the first time).
 # Extra arguments go to pytest (e.g. -k sync, --long).
 set -uo pipefail

@@ -72,6 +72,18 @@ def test_other_runners_command_lines() -> None:
         == "mpiexec"  # Slurm job id but no srun on PATH: not under Slurm after all
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_srun_gets_the_plugin_of_the_chosen_mpi(kind: str) -> None:
+    """`--mpi KIND` under srun: Open MPI answers to pmix, MPICH to pmi2 (tests/test_slurm.py
+    runs both); a plugin the user names wins; without --mpi Slurm's default stays."""
+    plugin = {"system": "pmix", "embedded": "pmi2"}[kind]
+    assert dry("--runner", "srun", "--mpi", kind, "x.py")[:3] == [
+        "srun", "--kill-on-bad-exit=1", f"--mpi={plugin}"]
+    named = dry("--runner", "srun", "--mpi", kind, "--launcher-arg=--mpi=cray_shasta", "x.py")
+    assert [a for a in named if a.startswith("--mpi")] == ["--mpi=cray_shasta"]
+    assert not any(a.startswith("--mpi") for a in dry("--runner", "srun", "x.py"))
+
+
 def test_hostfile_is_converted_for_each_runner(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two nodes\nnode1 slots=2\nnode2:4  # hydra style\nnode3\n")
