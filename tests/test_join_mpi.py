@@ -10,7 +10,8 @@ from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
+@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio"),
+                                           (4, "asyncio")])
 def test_join_stands_in_for_uneven_steps(nranks: int, loop: str) -> None:
     """Rank r runs 2 + r steps of every allreduce path (inline, data stage, min/max/product,
     int64, float16) and a barrier, checked against the ranks still active; broadcast is

@@ -55,6 +55,20 @@ async def check_allreduce(c: asynclock.Coordinator) -> int:
     return count
 
 
+async def check_mixed_in_place(c: asynclock.Coordinator) -> int:
+    """Rank 0 reduces in place (`allreduce_`), the others into a new tensor: inline,
+    a data stage, and a bulk stage. MPI wants its in-place form at every rank or
+    none, and Open MPI's non-blocking allreduce at 4 ranks truncates if they mix."""
+    count = 0
+    for n in (16, 70_000, 300_000):
+        t = contribution(c.rank, n, torch.float32)
+        exp = reference("sum", n, torch.float32, c.size)
+        got = await (c.allreduce_(t) if c.rank == 0 else c.allreduce(t))
+        assert torch.equal(got, exp), f"mixed in place n={n}: {got[:5]} != {exp[:5]}"
+        count += 1
+    return count
+
+
 async def check_half_bulk(c: asynclock.Coordinator) -> int:
     """16-bit floats past the bulk threshold (1 MiB): on MPI they are summed by a
     16-bit ring (one rounding per add); every rank must hold the same bits."""
@@ -183,8 +197,8 @@ async def main() -> None:
         assert want in (None, c.backend.name), f"backend {c.backend.describe()}, want {want}"
         report(c.rank, "backend", c.backend.describe())
         total = 0
-        for check in (check_allreduce, check_half_bulk, check_numpy, check_broadcast,
-                      check_allgather,
+        for check in (check_allreduce, check_mixed_in_place, check_half_bulk, check_numpy,
+                      check_broadcast, check_allgather,
                       check_reduce_scatter_alltoall, check_objects_and_barrier,
                       check_many_in_flight):
             total += await check(c)

@@ -22,6 +22,20 @@ def _mpi() -> Any:
     return MPI
 
 
+def _in_place(send: Array | None, recv: Array) -> Any:
+    """MPI_IN_PLACE, with `send` copied into `recv` first.
+
+    MPI asks for the in-place form at every rank or at none, and ranks differ
+    here (`allreduce_` on one, `allreduce` on another; a joined rank standing
+    in): Open MPI's non-blocking allreduce at 4 ranks truncates messages when
+    they mix. MPICH and Open MPI copy `send` into `recv` first themselves, so
+    the copy here costs nothing extra.
+    """
+    if send is not None:
+        recv.reshape(-1)[...] = send.reshape(-1)
+    return _mpi().IN_PLACE
+
+
 def _mpi_op(op: ReduceOp) -> Any:
     MPI = _mpi()
     return {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
@@ -74,8 +88,8 @@ class MPIChannel:
         return self.hdr.Iallgather(send, recv)  # type: ignore[no-any-return]
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
-        src = _mpi().IN_PLACE if send is None else send
-        return self.data.Iallreduce(src, recv, _mpi_op(op))  # type: ignore[no-any-return]
+        return self.data.Iallreduce(  # type: ignore[no-any-return]
+            _in_place(send, recv), recv, _mpi_op(op))
 
     def ibcast(self, buf: Array, root: int) -> Request:
         return self.data.Ibcast(_bytes(buf), root)  # type: ignore[no-any-return]
@@ -218,7 +232,7 @@ class BulkChannel:
         gloo = self.gloo
         if gloo is not None and gloo.handles(recv, op):
             return Deferred(lambda: gloo.allreduce(recv, op, send))
-        src = _mpi().IN_PLACE if send is None else send
+        src = _in_place(send, recv)
         return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
 
     half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
