@@ -27,6 +27,7 @@ pytestmark = pytest.mark.mpi
 
 PROGRAM = str(PROGRAMS / "slurm_job.py")
 JOB_S = 90  # any one job; a hang fails with the job's output instead of holding CI
+CANCEL_S = 20  # scancel to the last process gone: KillWait (5 s) and a margin
 VENDOR = {"system": "OpenMPI", "embedded": "MPICH"}  # as mpi4py's get_vendor() spells it
 
 
@@ -139,19 +140,21 @@ def check_ranks(job: Job, kind: str, nranks: int = 2) -> None:
 
 
 # -- the recipe ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.timeout(JOB_S + 30)
-def test_sbatch_recipe_runs_quickstart(cluster: slurm_cluster.Cluster, tmp_path: Path) -> None:
-    """`sbatch launch/slurm.sbatch examples/quickstart.py`: both ranks' tagged lines in
-    the job's output file, and the merged timeline under runs/<jobid>/."""
+def test_sbatch_recipe_runs_quickstart(cluster: slurm_cluster.Cluster, tmp_path: Path,
+                                       kind: str) -> None:
+    """`ASYNCLOCK_MPI=KIND sbatch launch/slurm.sbatch examples/quickstart.py`: both ranks'
+    tagged lines in the job's output file, and the merged timeline under runs/<jobid>/."""
     token = f"quick-{uuid.uuid4().hex[:8]}"
-    jobid, job = sbatch_recipe(cluster, tmp_path, token, DEFAULT_KIND, "examples/quickstart.py")
+    jobid, job = sbatch_recipe(cluster, tmp_path, token, kind, "examples/quickstart.py")
     try:
         out = job_output(tmp_path, token, jobid)
         assert job.returncode == 0, job.explain() + out
         for rank in (0, 1):
             assert f"[{rank}] [rank {rank}/2] sum=[3.0, 3.0, 3.0, 3.0] mean=1.50 50 in-flight " \
                    "ok=True" in out, out
-        assert f"[0] summary: 2 ranks on mpi ({VENDOR[DEFAULT_KIND][:4]}" in out, out
+        assert f"[0] summary: 2 ranks on mpi ({VENDOR[kind][:4]}" in out, out
         merged = ROOT / "runs" / jobid / "timeline.json"
         assert f"timeline runs/{jobid}/timeline.json: " in out, out
         info = json.loads(merged.read_text())["otherData"]["asynclock"]
@@ -181,26 +184,31 @@ def test_failed_rank_gives_the_job_its_exit_code(cluster: slurm_cluster.Cluster,
 @pytest.mark.timeout(JOB_S + 60)
 def test_scancel_ends_every_rank(cluster: slurm_cluster.Cluster, tmp_path: Path) -> None:
     """`scancel` of a running recipe job: the launcher, srun and every rank are gone
-    within KillWait (5 s) and a margin; the ranks' timeline files still merge."""
+    within KillWait (5 s) and a margin, and the launcher, sent SIGTERM with the ranks,
+    still merges their timeline under runs/<jobid>/."""
     token = f"cancel-{uuid.uuid4().hex[:8]}"
     jobid, _ = sbatch_recipe(cluster, tmp_path, token, DEFAULT_KIND, PROGRAM, "--hang", token,
                              wait=False)
     try:
         deadline = time.monotonic() + JOB_S
         while Job(0, job_output(tmp_path, token, jobid), []).ok_lines("hanging") != {0, 1}:
-            assert time.monotonic() < deadline, "ranks never reported hanging\n" + \
-                job_output(tmp_path, token, jobid) + cluster.logs()
+            ended = not cluster.run(["squeue", "-h", "-j", jobid], timeout=30).stdout.strip()
+            if ended or time.monotonic() > deadline:
+                why = "the job ended" if ended else f"not within {JOB_S} s"
+                pytest.fail(f"the ranks never reported hanging: {why}\n"
+                            + job_output(tmp_path, token, jobid) + cluster.logs())
             time.sleep(0.2)
         running = processes_with(token)
         assert len(running) >= 5, running  # the launcher, srun, 2 x (trampoline, program)
         cancelled = cluster.run(["scancel", jobid], timeout=30)
         assert cancelled.returncode == 0, cancelled.stderr
-        left = wait_gone(token, 20)
-        assert not left, f"still running 20 s after scancel: {left}\n" + job_output(
+        left = wait_gone(token, CANCEL_S)
+        assert not left, f"still running {CANCEL_S} s after scancel: {left}\n" + job_output(
             tmp_path, token, jobid)
-        from asynclock import timeline
-
-        assert timeline.merge(ROOT / "runs" / jobid / "timeline").ranks == (0, 1)
+        out = job_output(tmp_path, token, jobid)
+        assert f"timeline runs/{jobid}/timeline.json: " in out, out  # merged by the launcher
+        merged = json.loads((ROOT / "runs" / jobid / "timeline.json").read_text())
+        assert merged["otherData"]["asynclock"]["ranks"] == [0, 1], out
     finally:
         cluster.run(["scancel", jobid], timeout=30)
         remove_run_folder(jobid)
