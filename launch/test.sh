@@ -18,7 +18,7 @@ static=0
 .venv/bin/python -m mypy --strict asynclock || static=1
 .venv/bin/lint-imports --no-cache || static=1
 [ "$static" = 0 ] || echo "[test] static checks failed (ruff, mypy --strict, import-linter)" >&2
-.venv/bin/python -m pytest -ra -p no:cacheprovider "$@" tests
+.venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider "$@" tests
 rc=$?
 if [ "$rc" = 0 ] && [ "$static" != 0 ]; then rc=1; fi
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests: failing" >&2; exit 1; fi
