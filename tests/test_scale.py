@@ -1,0 +1,66 @@
+"""Past 3 ranks: the suites' programs at 4 ranks, and a subset at 8.
+
+Everything here runs oversubscribed on a 2-core machine, so the programs are the
+quick ones; the collective matrix and join run at 4 ranks in their own modules.
+What only shows past 3 ranks: MPI picks other algorithms (Open MPI's non-blocking
+allreduce at 4 ranks checks that every rank agrees on the in-place form), matching
+tables and stand-in rounds see more than one other rank disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mpijob import MPI_KIND, Job, assert_all_ok, run_job
+from test_sync import CONTRACT, LOCK_KINDS
+
+pytestmark = pytest.mark.mpi
+
+STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
+
+
+def _every_rank(job: Job, nranks: int, labels: list[str]) -> None:
+    assert_all_ok(job, nranks)
+    for label in labels:
+        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
+@pytest.mark.parametrize("nranks, loop", [(4, "asyncio"), (8, "trio")])
+def test_error_trials(nranks: int, loop: str) -> None:
+    trials = "100" if nranks == 4 else "40"
+    job = run_job("error_trials.py", nranks, "--trials", trials,
+                  *(["--trio"] if loop == "trio" else []), timeout=240, env=STRAY)
+    assert_all_ok(job, nranks)
+    assert f"mpi: {trials} trials" in job.output, job.explain()
+
+
+@pytest.mark.parametrize("nranks", [4, 8])
+def test_small_collectives(nranks: int) -> None:
+    job = run_job("tiny_collectives.py", nranks, timeout=240)
+    _every_rank(job, nranks, ["folds", "hand_off", "mismatch_after_hand_off",
+                              "mismatch_in_the_spin", "cancel_after_hand_off"])
+
+
+def test_horovod_api_at_4() -> None:
+    job = run_job("torch_horovod_api.py", 4, timeout=240)
+    _every_rank(job, 4, ["allreduce_grad", "grouped_allreduce_grad", "allgather_grad",
+                         "broadcast_grad", "alltoall_grad", "reducescatter_grad",
+                         "duplicate_names"])
+
+
+def test_lock_contract_at_4(tmp_path: Path) -> None:
+    job = run_job("sync_contract.py", 4, str(tmp_path), timeout=240, kind=MPI_KIND)
+    _every_rank(job, 4, [f"{check}_{kind}" for check in [*CONTRACT, "lease"]
+                         for kind in LOCK_KINDS])
+
+
+def test_primitives_at_4(tmp_path: Path) -> None:
+    job = run_job("sync_primitives.py", 4, "--trio", str(tmp_path), timeout=240)
+    _every_rank(job, 4, ["condition_notify", "condition_wait_for", "event", "sequential",
+                         "consistency_point", "consistency_mismatch"])
+
+
+def test_process_sets_at_4() -> None:
+    job = run_job("process_sets.py", 4, timeout=240)
+    assert_all_ok(job, 4)
