@@ -175,3 +175,16 @@ def _stop_horovodrun(proc: subprocess.Popen[str]) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
     return out
+
+
+def processes_with(token: str) -> list[int]:
+    """Pids of the processes whose command line holds `token` (a job's own marker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from mpijob import PROGRAMS, ROOT
+from mpijob import PROGRAMS, ROOT, processes_with
 
 from asynclock import jobwatch, launch
 from asynclock._tools import rank_output as rankio
@@ -178,36 +178,24 @@ def test_a_failed_rank_ends_a_job_whose_survivors_hang(kind: str) -> None:
     assert not _wait_gone(token)
 
 
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if token.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def _wait_gone(token: str) -> list[int]:
     """Processes still carrying `token` after up to 5 s (SIGKILLed ones need a
     moment to be reaped)."""
     for _ in range(50):
-        if not _processes_with(token):
+        if not processes_with(token):
             break
         subprocess.run(["sleep", "0.1"], check=True)
-    return _processes_with(token)
+    return processes_with(token)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", KINDS)
 def test_timeout_kills_the_whole_job(kind: str) -> None:
     token = f"hang-{uuid.uuid4().hex}"
-    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "20", HELLO, "--hang", token)
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "12", HELLO, "--hang", token)
     assert done.returncode == launch.TIMEOUT_EXIT, explain(done)
     assert "[0] hanging 0" in done.stdout and "[1] hanging 1" in done.stdout, explain(done)
-    assert "timeout after 20s" in done.stderr
+    assert "timeout after 12s" in done.stderr
     assert not _wait_gone(token)
 
 

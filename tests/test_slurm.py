@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 import slurm_cluster
-from mpijob import DEFAULT_KIND, PROGRAMS, ROOT, Job
+from mpijob import DEFAULT_KIND, PROGRAMS, ROOT, Job, processes_with
 
 from asynclock.launch import SRUN_PLUGINS, load_mpi_select
 
@@ -66,18 +66,6 @@ def plugin_missing(cluster: slurm_cluster.Cluster, plugin: str) -> str:
     names = listed.stdout + listed.stderr
     return "" if f"\t{plugin}\n" in names or f" {plugin}\n" in names else \
         f"srun has no {plugin} plugin: {names.strip()}"
-
-
-def processes_with(token: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if token.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def wait_gone(token: str, within: float) -> list[int]:
