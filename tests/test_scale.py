@@ -1,4 +1,5 @@
-"""Past 3 ranks: the suites' programs at 4 ranks, and a subset at 8.
+"""Past 3 ranks: the suites' programs at 4 ranks (collectives, the drop-in, sync
+primitives, error recovery, gradients), and a subset at 8.
 
 Everything here runs oversubscribed on a 2-core machine, so the programs are the
 quick ones; the collective matrix and join run at 4 ranks in their own modules.
@@ -64,3 +65,19 @@ def test_primitives_at_4(tmp_path: Path) -> None:
 def test_process_sets_at_4() -> None:
     job = run_job("process_sets.py", 4, timeout=240)
     assert_all_ok(job, 4)
+
+
+def test_gradients_over_the_shared_window_at_4() -> None:
+    """The Horovod-style optimizer on the node's shared-memory pipeline: 20 steps
+    identical on every rank, gated updates bit-identical, sparse gradients."""
+    job = run_job("torch_grads.py", 4, timeout=240,
+                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
+    _every_rank(job, 4, ["transport_shm", "identical_20_steps", "gated_bit_identical",
+                         "sparse_gradients", "mismatch_buckets_shm"])
+
+
+def test_sharded_optimizer_at_4() -> None:
+    job = run_job("torch_sharded.py", 4, timeout=240,
+                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
+    _every_rank(job, 4, ["sharded_matches_global_batch", "sharded_checkpoint",
+                         "sharded_refusals", "sharded_join_refused"])

@@ -80,7 +80,7 @@ class BagOfTokens(torch.nn.Module):
     def __init__(self, seed: int, sparse: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(20, 4, sparse=sparse)
+        self.emb = torch.nn.Embedding(6 + 4 * 8, 4, sparse=sparse)  # `token_loss` up to 8 ranks
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
