@@ -215,6 +215,28 @@ def test_two_hosts_lock_train_brief_cut_then_cut(rig: netrig_rig.Rig, kind: str,
     assert_launcher(job, rig, t_cut)
 
 
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k == DEFAULT_KIND
+                                                else [pytest.mark.slow]) for k in KINDS])
+def test_two_hosts_two_ranks_each_train_alike(rig: netrig_rig.Rig, kind: str) -> None:
+    """2 hosts x 2 ranks, the Horovod-style optimizer with the shared window asked for:
+    20 steps identical on every rank, gated updates bit-identical, the global batch's
+    gradients for every bucket cap. The window spans one node only, so across hosts
+    the buckets travel as MPI allreduces."""
+    fresh(rig, 2, kind)
+    argv = [sys.executable, str(PROGRAMS / "torch_grads.py")]
+    job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"},
+                    per_host=2)
+    try:
+        job.finish(240)
+    finally:
+        stop(job)
+    assert job.returncode == 0, job.explain()
+    for label in ("done", "identical_20_steps", "transport_allreduce", "gated_bit_identical",
+                  "caps_default", "sparse_gradients"):
+        assert job.ok_ranks(label) == set(range(4)), f"{label}\n" + job.explain()
+    assert rig.rx_bytes("nr2") > 0, "nothing crossed the link"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_three_hosts_one_cut(rig: netrig_rig.Rig, kind: str, tmp_path: Path) -> None:

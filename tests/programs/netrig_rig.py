@@ -247,20 +247,25 @@ class Rig:
             path.chmod(0o755)
         return self._shims
 
-    def launch_argv(self, kind: str, nranks: int, argv: Sequence[str]) -> list[str]:
-        """One rank per host, rank r on host nr(r+1), through netrig's launcher."""
-        hosts = ",".join(self.hosts[:nranks])
+    def launch_argv(self, kind: str, nranks: int, argv: Sequence[str],
+                    per_host: int = 1) -> list[str]:
+        """`per_host` ranks on each host, in host order (ranks 0..per_host-1 on nr1),
+        through netrig's launcher."""
+        used = self.hosts[:math.ceil(nranks / per_host)]
         if mpi_vendor(kind) == "openmpi":
+            hosts = ",".join(f"{h}:{per_host}" if per_host > 1 else h for h in used)
             return [str(self.netrig), "mpirun", "-np", str(nranks), "-H", hosts, *argv]
-        return [str(self.netrig), "mpiexec", "-n", str(nranks), "-ppn", "1", *argv]
+        return [str(self.netrig), "mpiexec", "-n", str(nranks), "-ppn", str(per_host), *argv]
 
     def start(self, kind: str, nranks: int, argv: Sequence[str],
               env: Mapping[str, str] | None = None,
-              failure_grace: float | None = None) -> LiveJob:
-        """Start `argv` (e.g. [python, prog.py, ...]) on `nranks` hosts."""
-        if nranks > len(self.hosts):
-            raise ValueError(f"{nranks} ranks need {nranks} hosts; the rig has {self.hosts}")
-        cmd = self.launch_argv(kind, nranks, argv)
+              failure_grace: float | None = None, per_host: int = 1) -> LiveJob:
+        """Start `argv` (e.g. [python, prog.py, ...]) as `nranks` ranks, `per_host`
+        on each host."""
+        if nranks > per_host * len(self.hosts):
+            raise ValueError(f"{nranks} ranks at {per_host} per host need more hosts than "
+                             f"{self.hosts}")
+        cmd = self.launch_argv(kind, nranks, argv, per_host)
         if failure_grace is not None:  # the runner under asynclock's job watch
             cmd = [sys.executable, "-m", "asynclock.jobwatch", "--failure-grace",
                    str(failure_grace), "--", *cmd]
