@@ -77,6 +77,13 @@ def assert_all_ok(job: Job, nranks: int, label: str = "done") -> None:
     assert not missing, f"ranks {sorted(missing)} did not report {label!r}\n" + job.explain()
 
 
+def assert_labels(job: Job, nranks: int, *labels: str) -> None:
+    """`assert_all_ok`, and every rank reported each of `labels`."""
+    assert_all_ok(job, nranks)
+    for label in labels:
+        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
 # -- Horovod: plain mpirun with ASYNCLOCK_BACKEND=horovod, or horovodrun -----------------
 HOROVODRUN = Path(sys.executable).with_name("horovodrun")
 _HOROVOD_TAG = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:", re.MULTILINE)

@@ -13,18 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpijob import MPI_KIND, Job, assert_all_ok, run_job
+from mpijob import MPI_KIND, assert_all_ok, assert_labels, run_job
 from test_sync import CONTRACT, LOCK_KINDS
 
 pytestmark = pytest.mark.mpi
 
 STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
-
-
-def _every_rank(job: Job, nranks: int, labels: list[str]) -> None:
-    assert_all_ok(job, nranks)
-    for label in labels:
-        assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 
 
 @pytest.mark.parametrize("nranks, loop", [(4, "asyncio"), (8, "trio")])
@@ -39,27 +33,27 @@ def test_error_trials(nranks: int, loop: str) -> None:
 @pytest.mark.parametrize("nranks", [4, 8])
 def test_small_collectives(nranks: int) -> None:
     job = run_job("tiny_collectives.py", nranks, timeout=240)
-    _every_rank(job, nranks, ["folds", "hand_off", "mismatch_after_hand_off",
-                              "mismatch_in_the_spin", "cancel_after_hand_off"])
+    assert_labels(job, nranks, "folds", "hand_off", "mismatch_after_hand_off",
+                  "mismatch_in_the_spin", "cancel_after_hand_off")
 
 
 def test_horovod_api_at_4() -> None:
     job = run_job("torch_horovod_api.py", 4, timeout=240)
-    _every_rank(job, 4, ["allreduce_grad", "grouped_allreduce_grad", "allgather_grad",
-                         "broadcast_grad", "alltoall_grad", "reducescatter_grad",
-                         "duplicate_names"])
+    assert_labels(job, 4, "allreduce_grad", "grouped_allreduce_grad", "allgather_grad",
+                  "broadcast_grad", "alltoall_grad", "reducescatter_grad",
+                  "duplicate_names")
 
 
 def test_lock_contract_at_4(tmp_path: Path) -> None:
     job = run_job("sync_contract.py", 4, str(tmp_path), timeout=240, kind=MPI_KIND)
-    _every_rank(job, 4, [f"{check}_{kind}" for check in [*CONTRACT, "lease"]
-                         for kind in LOCK_KINDS])
+    assert_labels(job, 4, *[f"{check}_{kind}" for check in [*CONTRACT, "lease"]
+                            for kind in LOCK_KINDS])
 
 
 def test_primitives_at_4(tmp_path: Path) -> None:
     job = run_job("sync_primitives.py", 4, "--trio", str(tmp_path), timeout=240)
-    _every_rank(job, 4, ["condition_notify", "condition_wait_for", "event", "sequential",
-                         "consistency_point", "consistency_mismatch"])
+    assert_labels(job, 4, "condition_notify", "condition_wait_for", "event", "sequential",
+                  "consistency_point", "consistency_mismatch")
 
 
 def test_process_sets_at_4() -> None:
@@ -72,12 +66,12 @@ def test_gradients_over_the_shared_window_at_4() -> None:
     identical on every rank, gated updates bit-identical, sparse gradients."""
     job = run_job("torch_grads.py", 4, timeout=240,
                   env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
-    _every_rank(job, 4, ["transport_shm", "identical_20_steps", "gated_bit_identical",
-                         "sparse_gradients", "mismatch_buckets_shm"])
+    assert_labels(job, 4, "transport_shm", "identical_20_steps", "gated_bit_identical",
+                  "sparse_gradients", "mismatch_buckets_shm")
 
 
 def test_sharded_optimizer_at_4() -> None:
     job = run_job("torch_sharded.py", 4, timeout=240,
                   env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
-    _every_rank(job, 4, ["sharded_matches_global_batch", "sharded_checkpoint",
-                         "sharded_refusals", "sharded_join_refused"])
+    assert_labels(job, 4, "sharded_matches_global_batch", "sharded_checkpoint",
+                  "sharded_refusals", "sharded_join_refused")

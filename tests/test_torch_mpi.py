@@ -18,7 +18,14 @@ import functools
 import os
 
 import pytest
-from mpijob import MPI_KIND, OTHER_KINDS, Job, assert_all_ok, horovod_status, run_job
+from mpijob import (
+    MPI_KIND,
+    OTHER_KINDS,
+    Job,
+    assert_labels,
+    horovod_status,
+    run_job,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -43,10 +50,6 @@ def cases(names: str, rows: list[tuple[object, ...]]) -> pytest.MarkDecorator:
     return pytest.mark.parametrize(names, params)
 
 
-def assert_labels(j: Job, nranks: int, *labels: str) -> None:
-    assert_all_ok(j, nranks)
-    for label in labels:
-        assert j.ok_lines(label) == set(range(nranks)), f"{label}\n{j.explain()}"
 
 
 
