@@ -27,6 +27,7 @@ from mpijob import (
 )
 
 from asynclock._core.base.errors import BackendError
+from asynclock._core.transports.handshake import MeshKey
 from asynclock._core.transports.horovod import _row_width, _split
 from asynclock._core.transports.horovod_mpi import (
     MPIName,
@@ -67,7 +68,9 @@ def test_reduce_scatter_uses_horovods_split_only_when_it_matches() -> None:
 
 
 def _mesh(size: int) -> list[Mailbox]:
-    """`size` mailboxes in threads of this process; the exchange is a shared list."""
+    """`size` mailboxes in threads of this process, sharing one key; the exchange is a
+    shared list."""
+    key = MeshKey(bytes(range(32)), "test.mailbox")
     addrs: list[tuple[str, int] | None] = [None] * size
     gate = threading.Barrier(size)
     boxes: list[Mailbox | None] = [None] * size
@@ -78,7 +81,7 @@ def _mesh(size: int) -> list[Mailbox]:
         return [a for a in addrs if a is not None]
 
     def make(rank: int) -> None:
-        boxes[rank] = Mailbox(rank, size, "127.0.0.1", lambda a: exchange(rank, a))
+        boxes[rank] = Mailbox(rank, size, key, "127.0.0.1", lambda a: exchange(rank, a))
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
     for t in threads:

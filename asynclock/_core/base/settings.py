@@ -91,6 +91,12 @@ DECLARED: tuple[Setting, ...] = (
        "before its peers give up on it."),
     _s("STALL_S", "number", "60", "Gradient rounds: seconds `synchronize()` waits for a "
        "bucket before it names the missing ranks."),
+    # -- the TCP mesh (no MPI world: `horovodrun --gloo`) ----------------------------------
+    _s("HANDSHAKE_S", "number", "10", "Seconds a connection to asynclock's TCP mesh has to "
+       "prove it comes from a rank of the job before it is closed."),
+    _s("MESH_HOLD", "path", "", "Test hook: each rank writes its mesh listener's address "
+       "into this folder, and every rank but 0 waits for a `go.<mesh>` file there before "
+       "it connects."),
     # -- sync primitives --------------------------------------------------------------------
     _s("SYNC_STALL_S", "number", "30", "A sync primitive waiting this long probes the ranks "
        "it depends on."),

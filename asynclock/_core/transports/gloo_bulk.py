@@ -123,16 +123,24 @@ _SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
 
 
 def _serve(size: int, spans: bool) -> tuple[str, int] | None:
-    """Rank 0: listen on an address the other hosts can reach."""
+    """Rank 0: listen on the one address the other ranks are given (loopback within a
+    node, the host's address across hosts). torch's store would listen on every
+    interface, so it gets a socket already bound to that address."""
     import torch.distributed as dist
 
     try:
         addr = socket.gethostbyname(socket.gethostname()) if spans else "127.0.0.1"
-        store = dist.TCPStore(addr, 0, size, True, SETUP_TIMEOUT, wait_for_workers=False)  # type: ignore[attr-defined]
+        listener = socket.create_server((addr, 0), backlog=size + 16)
+    except OSError:
+        return None
+    port = listener.getsockname()[1]
+    try:  # the store owns the socket from here on
+        store = dist.TCPStore(addr, port, size, True, SETUP_TIMEOUT, wait_for_workers=False,  # type: ignore[attr-defined]
+                              master_listen_fd=listener.detach())
     except (OSError, RuntimeError):
         return None
     _SERVER.append(store)
-    return addr, int(store.port)
+    return addr, port
 
 
 def _reach(comm: Any, where: tuple[str, int] | None) -> Any:

@@ -15,7 +15,13 @@ every rank).
 Under `horovodrun --gloo` there is no MPI world. Header rounds, barriers,
 agreement rounds and point-to-point messages then travel on a TCP mesh
 (`mailbox`), so they still cost microseconds rather than a Horovod cycle
-each, and small collectives still never touch Horovod.
+each, and small collectives still never touch Horovod. Only the job's ranks
+join it: rank 0 draws a job secret and broadcasts it over Horovod, the
+channel the job already trusts with its data, before any mesh socket opens;
+every mesh connection proves it (`handshake`). The mesh listens on loopback
+when every rank is on one host, else on the address of the interface
+horovodrun gave Horovod's gloo (HOROVOD_GLOO_IFACE), and the addresses go
+round as numbers, so nothing is unpickled on the way.
 
 Horovod's knobs (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD,
 HOROVOD_TIMELINE, HOROVOD_CACHE_CAPACITY, ...) are read by Horovod from the
@@ -35,6 +41,7 @@ import itertools
 import math
 import os
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,9 +52,10 @@ from ..base.backoff import Backoff, poll_until
 from ..base.errors import BackendError
 from ..base.ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request, close_channel_of
+from .handshake import SECRET_BYTES, MeshKey
 from .heartbeat import MailboxHeartbeats, MPIHeartbeats
 from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
-from .mailbox import AGREE, DATA, Mailbox, MailboxPort
+from .mailbox import AGREE, DATA, Address, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
 
 Finish = Callable[[Any], None]
@@ -59,6 +67,7 @@ _MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
 _PAUSE_SHARE = 0.1  # a wait sleeps at most this share of its time so far between polls
 GROUP_DEFAULTS = {"HOROVOD_DISABLE_GROUP_FUSION": "1"}  # see the module docstring
 _instances = itertools.count()  # backends are made in the same order on every rank
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _module: Any = None
 
 
@@ -188,6 +197,15 @@ class HorovodChannel:
         return HorovodRequest(handle, f"{what} {name}", finish)
 
     # -- header rounds: MPI when there is a world, else the TCP mesh -------------
+    @property
+    def compact(self) -> bool:
+        """The compact header round runs on MPI's header communicator only."""
+        return self.mpi is not None
+
+    def iallreduce_compact(self, send: Array, recv: Array) -> Request:
+        assert self.mpi is not None
+        return self.mpi.iallreduce_compact(send, recv)
+
     def iallgather_slots(self, send: Array, recv: Array) -> Request:
         if self.mpi is not None:
             return self.mpi.iallgather_slots(send, recv)
@@ -327,6 +345,54 @@ def _controller(hvd: Any, comm: Any) -> str:
     return "mpi"
 
 
+def _job_secret(hvd: Any, rank: int, name: str) -> bytes:
+    """Random bytes drawn by rank 0 and broadcast over Horovod's own collectives.
+
+    horovodrun keeps its own key (`_HOROVOD_SECRET_KEY`) from the ranks, and an
+    environment variable would show on the command line horovodrun starts remote
+    ranks with; the broadcast is the channel the job already trusts with its data.
+    """
+    import torch
+
+    mine = bytearray(os.urandom(SECRET_BYTES) if rank == 0 else bytes(SECRET_BYTES))
+    got = hvd.broadcast(torch.frombuffer(mine, dtype=torch.uint8), root_rank=0, name=name)
+    return bytes(got.numpy().tobytes())
+
+
+def _listen_host(one_host: bool) -> str:
+    """The IPv4 address the meshes listen on and tell their peers: loopback when the
+    job has one host, else the interface horovodrun gave Horovod's gloo, else what
+    this host's name resolves to."""
+    if one_host:
+        return "127.0.0.1"
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    if iface:
+        return _interface_address(iface)
+    return socket.gethostbyname(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
+
+
+def _interface_address(iface: str) -> str:
+    import fcntl
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
+                                 struct.pack("256s", iface.encode()[:15]))
+    except OSError as exc:
+        raise BackendError(f"HOROVOD_GLOO_IFACE={iface}: no IPv4 address ({exc})") from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _allgather_addresses(hvd: Any, address: Address, name: str) -> list[Address]:
+    """Every rank's (IPv4 address, port) in rank order, as numbers over Horovod."""
+    import torch
+
+    ip = int.from_bytes(socket.inet_aton(address[0]), "big")
+    rows = hvd.allgather(torch.tensor([[ip, address[1]]], dtype=torch.int64), name=name)
+    return [(socket.inet_ntoa(int(ip).to_bytes(4, "big")), int(port))
+            for ip, port in rows.tolist()]
+
+
 class HorovodBackend:
     """Horovod (MPI or gloo controller) with asynclock's checked headers in front."""
 
@@ -351,18 +417,32 @@ class HorovodBackend:
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
         self._prefix = f"asynclock{next(_instances)}"
-        self._mailbox = None if self._mpi is not None else self._mesh(hvd, "mailbox")
-        self.heartbeats: MPIHeartbeats | MailboxHeartbeats = (
-            self._mpi.heartbeats if self._mpi is not None
-            else MailboxHeartbeats(self._mesh(hvd, "heartbeat")))  # the watchdog thread's own
+        self._mailbox: Mailbox | None = None
+        self.heartbeats: MPIHeartbeats | MailboxHeartbeats
+        if self._mpi is not None:
+            self.heartbeats = self._mpi.heartbeats
+        else:
+            secret = _job_secret(hvd, self.rank, f"{self._prefix}.secret")
+            host = _listen_host(self.local_size == self.size)
+            self._mailbox = self._mesh(hvd, secret, host, "mailbox")
+            self.heartbeats = MailboxHeartbeats(  # the watchdog thread's own
+                self._mesh(hvd, secret, host, "heartbeat"))
         self._channels: list[HorovodChannel] = []
         self._ports = itertools.count()  # mailbox channel ids: never reused after a close
 
-    def _mesh(self, hvd: Any, what: str) -> Mailbox:
-        """A TCP mesh between the ranks (no MPI world): addresses go round over Horovod."""
-        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        return Mailbox(self.rank, self.size, host, lambda addr: list(
-            hvd.allgather_object(addr, name=f"{self._prefix}.{what}")))
+    def _mesh(self, hvd: Any, secret: bytes, host: str, what: str) -> Mailbox:
+        """A TCP mesh between the ranks (no MPI world) that only holders of `secret` join;
+        addresses go round over Horovod."""
+        name = f"{self._prefix}.{what}"
+        return Mailbox(self.rank, self.size, MeshKey(secret, name), host,
+                       lambda address: _allgather_addresses(hvd, address, name))
+
+    def refused_connections(self) -> int:
+        """Connections the TCP meshes refused while they were built (0 under MPI)."""
+        boxes = [self._mailbox]
+        if isinstance(self.heartbeats, MailboxHeartbeats):
+            boxes.append(self.heartbeats.box)
+        return sum(box.refused for box in boxes if box is not None)
 
     def _init_horovod(self, hvd: Any) -> None:
         """Horovod's background thread calls MPI while our loop does: THREAD_MULTIPLE."""

@@ -15,35 +15,55 @@ to round k. Everything after start-up is non-blocking: a send queues the
 frame and flushes what the socket takes, receiving drains what has
 arrived. A peer that closes its end (it exited or died) is remembered; a
 send to it, or a round still missing its message, raises `BackendError`.
+
+Only the job's ranks get in: the mesh listens on the one address its peers
+are told (loopback when the job has one host), and a connection carries
+frames only after both ends proved they hold the job's secret (`handshake`).
+Frames are checked before they are used: a stream id outside the mesh's
+streams, or a payload over `MAX_FRAME_BYTES`, ends that peer's connection
+(it is then a dead peer, with the reason in its error).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from ..base.backoff import Backoff, poll_until
+from ..base import settings
+from ..base.backoff import Backoff, Deadline, poll_until
 from ..base.errors import BackendError
 from .base import DONE, Array, Request
+from .handshake import Acceptor, MeshKey, connect
 
 _FRAME = struct.Struct("<iI")  # stream id, payload bytes
 WAIT_POLL_S = 1e-4  # a blocking `Wait` (the engine's wait thread) tests this often
-_ID = struct.Struct("<q")  # the connecting rank, sent once per connection
+MESH_DEADLINE_S = 60.0  # every peer has joined the mesh by then, or start-up fails
+HOLD_POLL_S = 0.05  # the test hook (ASYNCLOCK_MESH_HOLD) looks for its go file this often
+# Every frame asynclock sends is far smaller (header slots, sync messages, statuses);
+# a larger length is a broken or foreign sender, not a message to buffer.
+MAX_FRAME_BYTES = 16 << 20
+MAX_CHANNELS = 1 << 16  # channel ids a backend may open (it opens a few per lane)
 Address = tuple[str, int]
 P2P, HEADERS, AGREE, DATA = range(4)  # a channel's streams: id = 4 * channel + kind
+
+log = logging.getLogger("asynclock.transport")
 
 
 class Mailbox:
     """A full mesh of TCP connections between the ranks of one backend."""
 
-    def __init__(self, rank: int, size: int, host: str,
+    def __init__(self, rank: int, size: int, key: MeshKey, host: str,
                  exchange: Callable[[Address], list[Address]]) -> None:
-        """Collective: `exchange` must gather every rank's address in rank order."""
-        self.rank, self.size = rank, size
+        """Collective: listen on `host` (the address peers reach this rank at) and
+        join the mesh of every rank holding `key`; `exchange` must gather every
+        rank's address in rank order, over a channel the job already trusts."""
+        self.rank, self.size, self.key = rank, size, key
         self.inboxes: dict[int, deque[tuple[int, bytes]]] = {}
         self.gathers: dict[int, GatherStream] = {}
         self._rx: dict[int, bytearray] = {}
@@ -51,8 +71,11 @@ class Mailbox:
         self._sent: dict[int, int] = {}
         self._queued: dict[int, int] = {}
         self.dead: set[int] = set()
-        with socket.create_server(("", 0), backlog=max(1, size)) as listener:
-            addresses = exchange((host, listener.getsockname()[1]))
+        self.broken: dict[int, str] = {}  # peers whose frames broke the protocol: why
+        self.refused = 0  # connections refused while the mesh was built
+        with socket.create_server((host, 0), backlog=size + 16) as listener:
+            addresses = exchange(listener.getsockname()[:2])
+            _hold_for_test(key.mesh, rank, addresses[rank])
             try:
                 self._peers = self._connect_mesh(listener, addresses)
             except OSError as exc:  # unreachable host, refused, or a peer that never came
@@ -65,21 +88,28 @@ class Mailbox:
 
     def _connect_mesh(self, listener: socket.socket,
                       addresses: list[Address]) -> dict[int, socket.socket]:
-        """Connect to every lower rank, accept every higher one.
+        """Connect to every lower rank, then accept every higher one, each after
+        the handshake (`handshake`).
 
-        Connections to lower ranks complete in their listen backlog before
-        they call `accept`, so this order cannot deadlock.
+        Rank 0 only accepts, and a rank answers its higher peers once it is
+        connected to its lower ones, so this order cannot deadlock; a
+        connection waits in the listen backlog until its rank accepts.
         """
+        deadline = Deadline(MESH_DEADLINE_S)
         peers: dict[int, socket.socket] = {}
-        for peer in range(self.rank):
-            sock = socket.create_connection(addresses[peer], timeout=60)
-            sock.sendall(_ID.pack(self.rank))
-            peers[peer] = sock
-        listener.settimeout(60)
-        for _ in range(self.rank + 1, self.size):
-            sock, _addr = listener.accept()
-            sock.settimeout(60)
-            peers[_ID.unpack(_recv_exact(sock, _ID.size))[0]] = sock
+        try:
+            for peer in range(self.rank):
+                peers[peer] = connect(addresses[peer], self.key, self.rank, peer, deadline)
+        except BaseException:
+            for sock in peers.values():
+                sock.close()
+            raise
+        acceptor = Acceptor(listener, self.key, self.rank, set(range(self.rank + 1, self.size)),
+                            settings.number("ASYNCLOCK_HANDSHAKE_S"))
+        try:
+            peers.update(acceptor.run(deadline))
+        finally:
+            self.refused = acceptor.refused
         for sock in peers.values():
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return peers
@@ -108,7 +138,10 @@ class Mailbox:
             self.inboxes[channel].append((dest, payload))
             return DONE
         if dest in self.dead:
-            raise BackendError(f"rank {dest} closed its connection: it exited or died")
+            raise BackendError(self.gone(dest))
+        if len(payload) > MAX_FRAME_BYTES:
+            raise BackendError(f"a {len(payload)}-byte message to rank {dest}: the mesh "
+                               f"carries at most {MAX_FRAME_BYTES} bytes per message")
         tx = self._tx[dest]
         tx += _FRAME.pack(channel, len(payload))
         tx += payload
@@ -155,8 +188,15 @@ class Mailbox:
         self._split_frames(peer, rx)
 
     def _split_frames(self, peer: int, rx: bytearray) -> None:
-        while len(rx) >= _FRAME.size:
+        while len(rx) >= _FRAME.size and peer not in self.broken:
             channel, n = _FRAME.unpack_from(rx)
+            if not 0 <= channel < 4 * MAX_CHANNELS:
+                self._break(peer, f"sent a frame on stream {channel}, not a stream of this mesh")
+                return
+            if n > MAX_FRAME_BYTES:
+                self._break(peer, f"sent a {n}-byte frame, over the mesh's limit of "
+                                  f"{MAX_FRAME_BYTES} bytes")
+                return
             if len(rx) < _FRAME.size + n:
                 return
             payload = bytes(rx[_FRAME.size:_FRAME.size + n])
@@ -165,6 +205,21 @@ class Mailbox:
                 self.inboxes.setdefault(channel, deque()).append((peer, payload))
             else:
                 self._gather_stream(channel).arrive(peer, payload)
+
+    def _break(self, peer: int, why: str) -> None:
+        """`peer` broke the frame protocol: drop its connection, say why once."""
+        self.broken[peer] = why
+        self.dead.add(peer)
+        self._rx[peer].clear()
+        self._peers[peer].close()
+        log.warning("asynclock[rank %d]: %s: rank %d %s; its connection is closed",
+                    self.rank, self.key.mesh, peer, why)
+
+    def gone(self, peer: int) -> str:
+        """Why `peer` can no longer be reached."""
+        if peer in self.broken:
+            return f"rank {peer} {self.broken[peer]}: its connection was closed"
+        return f"rank {peer} closed its connection: it exited or died"
 
     def close(self) -> None:
         for sock in self._peers.values():
@@ -249,8 +304,9 @@ class GatherRequest:
     def _check_peers(self, got: dict[int, bytes]) -> None:
         lost = sorted(p for p in self.box.dead if p not in got)
         if lost:
+            why = "".join(f"; {self.box.gone(p)}" for p in lost if p in self.box.broken)
             raise BackendError(f"allgather round {self.k}: rank(s) {lost} closed their "
-                               "connection before sending: they exited or died")
+                               f"connection before sending: they exited or died{why}")
 
     def _complete(self, got: dict[int, bytes]) -> None:
         rows = self.recv.view(np.uint8).reshape(self.box.size, -1)
@@ -284,11 +340,18 @@ class SendRequest:
         poll_until(self.Test, Backoff.every(WAIT_POLL_S))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise BackendError("a peer closed its connection during start-up")
-        data += chunk
-    return data
+def _hold_for_test(mesh: str, rank: int, address: Address) -> None:
+    """The test hook ASYNCLOCK_MESH_HOLD: say where this rank listens; then every rank
+    that connects to lower ranks waits for the test's go, so a test's client reaches
+    the listeners before any real peer does (rank 0 goes on to accept at once)."""
+    folder = settings.text("ASYNCLOCK_MESH_HOLD")
+    if not folder:
+        return
+    hold = Path(folder)
+    (hold / f"{mesh}.{rank}.tmp").write_text(f"{address[0]} {address[1]}\n")
+    (hold / f"{mesh}.{rank}.tmp").rename(hold / f"{mesh}.{rank}")
+    go = hold / f"go.{mesh}"
+    if rank == 0:
+        return
+    if not poll_until(go.exists, Backoff.every(HOLD_POLL_S), MESH_DEADLINE_S):
+        raise BackendError(f"ASYNCLOCK_MESH_HOLD: no {go} within {MESH_DEADLINE_S:g} s")

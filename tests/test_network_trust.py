@@ -1,0 +1,451 @@
+"""Only the job's ranks get into the sockets asynclock opens (docs/guide/security.md).
+
+In-process: the mesh handshake (`transports.handshake`) against foreign
+clients of every kind, the frame checks of an authenticated mesh, and the
+address torch's store for the gloo bulk path listens on. Jobs: `horovodrun
+--gloo` at 2 and 3 ranks with ASYNCLOCK_MESH_HOLD, so the test's clients reach
+the ranks' mesh listeners before any real peer; the jobs must finish with
+correct results, refuse every client in one log line each, load nothing a
+client sent, and listen on loopback only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import pickle
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpijob import Job, assert_labels, horovodrun_missing, run_horovodrun
+from test_horovod import _mesh
+
+from asynclock._core.base.backoff import Deadline
+from asynclock._core.base.errors import BackendError
+from asynclock._core.transports.handshake import Acceptor, MeshKey, connect
+from asynclock._core.transports.mailbox import MAX_FRAME_BYTES, P2P
+
+SECRET = bytes(range(32))
+HELLO = struct.Struct("<4sHxxii32s")  # the handshake's first message, as a client forges it
+OLD_ID = struct.Struct("<q")  # what a connecting rank sent before the handshake existed
+FRAME = struct.Struct("<iI")
+LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+
+
+class Plant:
+    """Unpickling this creates `path`: proof that something loaded a client's bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+# -- foreign clients: each connects, does its one wrong thing, and keeps its socket --
+def hello(claimed: int, called: int, *, magic: bytes = b"ALKM", version: int = 1) -> bytes:
+    return HELLO.pack(magic, version, claimed, called, os.urandom(32))
+
+
+def impostor(claimed: int, marker: Path) -> Callable[[socket.socket, int], None]:
+    """A rank id as ranks sent it before the handshake, then frames of every stream
+    kind whose payload plants `marker` when unpickled."""
+    def attack(sock: socket.socket, rank: int) -> None:
+        bomb = pickle.dumps(Plant(marker))
+        frames = b"".join(FRAME.pack(stream, len(bomb)) + bomb for stream in range(8))
+        sock.sendall(OLD_ID.pack(claimed) + frames)
+    return attack
+
+
+def wrong_secret(claimed: int) -> Callable[[socket.socket, int], None]:
+    """The whole handshake, with a key of its own."""
+    def attack(sock: socket.socket, rank: int) -> None:
+        first = hello(claimed, rank)
+        sock.sendall(first)
+        challenge = b""
+        while len(challenge) < 72:
+            chunk = sock.recv(72 - len(challenge))
+            if not chunk:
+                return
+            challenge += chunk
+        sock.sendall(hmac.digest(os.urandom(32), first + challenge[8:40], "sha256"))
+    return attack
+
+
+def send(data: bytes, close: bool = False) -> Callable[[socket.socket, int], None]:
+    """`data`, then silence (or the end of the stream: `close`)."""
+    def attack(sock: socket.socket, rank: int) -> None:
+        sock.sendall(data)
+        if close:
+            sock.shutdown(socket.SHUT_WR)
+    return attack
+
+
+def blind_proof(claimed: int, called: int) -> Callable[[socket.socket, int], None]:
+    """A hello and a made-up proof at once, without waiting for the challenge."""
+    return send(hello(claimed, called) + os.urandom(32))
+
+
+def oversize(claimed: int) -> Callable[[socket.socket, int], None]:
+    """A hello, then at once a frame header of 1 GiB and 4 MiB of its bytes."""
+    def attack(sock: socket.socket, rank: int) -> None:
+        sock.sendall(hello(claimed, rank) + FRAME.pack(0, 1 << 30) + bytes(4 << 20))
+    return attack
+
+
+class Intruder:
+    """One foreign client in a thread; its socket stays open until `release`."""
+
+    def __init__(self, address: tuple[str, int], rank: int,
+                 attack: Callable[[socket.socket, int], None]) -> None:
+        self.address, self.rank, self.attack = address, rank, attack
+        self.connected = threading.Event()  # in the listener's backlog from here on
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with socket.create_connection(self.address, timeout=30) as sock:
+                self.connected.set()
+                self.attack(sock, self.rank)
+                self._release.wait(60)
+        except OSError:
+            pass  # refused and closed while it still sent: as it should be
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(10)
+
+
+# -- in-process: the handshake ---------------------------------------------------------
+def _acceptor(expected: set[int], handshake_s: float = 1.5) -> tuple[Acceptor, socket.socket]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    return Acceptor(listener, MeshKey(SECRET, "test.mesh"), 0, expected, handshake_s), listener
+
+
+def _run_acceptor(acceptor: Acceptor, seconds: float) -> dict[str, object]:
+    out: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            out["peers"] = acceptor.run(Deadline(seconds))
+        except BackendError as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    out["thread"] = thread
+    return out
+
+
+REASONS = {
+    "impostor": "sent something that is not an asynclock mesh handshake",
+    "wrong_secret": "claimed rank 1 without proof of the job secret",
+    "stall": "sent no complete handshake within 1.5 s",
+    "closed": "closed the connection during the handshake",
+    "version": "speaks mesh handshake version 9, this rank 1",
+    "called": "called rank 3, not this rank",
+    "unexpected": "claimed rank 7, which does not connect to rank 0",
+    "oversize": "claimed rank 1 without proof of the job secret",
+}
+
+
+def test_acceptor_refuses_every_foreign_client_and_takes_the_real_peer(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Clients that connect first, of every kind, are refused in one log line each,
+    while the real ranks get in; the stalled one does not hold them up."""
+    acceptor, listener = _acceptor({1, 2})
+    address = listener.getsockname()
+    attacks = {"impostor": impostor(1, tmp_path / "planted"), "wrong_secret": wrong_secret(1),
+               "stall": send(hello(1, 0)[:20]), "closed": send(hello(1, 0)[:20], close=True),
+               "version": send(hello(1, 0, version=9)), "called": send(hello(1, 3)),
+               "unexpected": send(hello(7, 0)), "oversize": oversize(1)}
+    key = MeshKey(SECRET, "test.mesh")
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        intruders = [Intruder(address, 0, attack) for attack in attacks.values()]
+        assert all(intruder.connected.wait(10) for intruder in intruders)
+        out = _run_acceptor(acceptor, 20)
+        real = connect(address, key, 1, 0, Deadline(10))
+        stalled_still = not any("within" in r.getMessage() for r in caplog.records)
+        time.sleep(1.7)  # past the handshake deadline: the stalled client is refused
+        second = connect(address, key, 2, 0, Deadline(10))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        for intruder in intruders:
+            intruder.release()
+    assert "error" not in out, out.get("error")
+    assert set(out["peers"]) == {1, 2}, out  # type: ignore[call-overload]
+    assert stalled_still, "the real peer got in only after the stalled client's deadline"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(attacks) == acceptor.refused, lines
+    for name, reason in REASONS.items():
+        assert any(f": it {reason} (" in line for line in lines), (name, lines)
+    assert all(re.match(r"asynclock\[rank 0\]: test.mesh refused a connection from "
+                        r"127\.0\.0\.1:\d+: it ", line) for line in lines), lines
+    assert not (tmp_path / "planted").exists()
+    assert not any(SECRET.hex() in line or repr(SECRET) in line for line in lines)
+    real.close()
+    second.close()
+
+
+def test_acceptor_refuses_a_second_claim_of_a_connected_rank(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Even with the key: the second rank 1 is told no and stops with an error."""
+    acceptor, listener = _acceptor({1, 2})
+    address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        out = _run_acceptor(acceptor, 10)
+        real = connect(address, key, 1, 0, Deadline(10))
+        with pytest.raises(BackendError, match="rank 0 closed the connection during the mesh "
+                                               "handshake: it refused this rank"):
+            connect(address, key, 1, 0, Deadline(10))
+        second = connect(address, key, 2, 0, Deadline(10))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    assert set(out["peers"]) == {1, 2}  # type: ignore[call-overload]
+    assert [r.getMessage() for r in caplog.records][0].endswith(
+        "it claimed rank 1, which is already connected (1 refused so far)")
+    real.close()
+    second.close()
+
+
+def test_a_rank_without_the_secret_cannot_join_nor_be_joined() -> None:
+    """Another key fails both ways, first at the connecting side (it checks the
+    listener's proof before it proves anything): as the connecting rank it stops
+    with an error and the mesh waits on until its deadline; as the listener, the
+    connecting rank stops with the same error."""
+    acceptor, listener = _acceptor({1})
+    with listener:
+        out = _run_acceptor(acceptor, 1.5)
+        with pytest.raises(BackendError, match="rank 0 at 127.0.0.1:.* did not prove it "
+                                               "belongs to this job"):
+            connect(listener.getsockname(), MeshKey(b"x" * 32, "test.mesh"), 1, 0, Deadline(5))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    assert "did not join the test.mesh mesh in time (1 connection(s) refused" in str(
+        out["error"])
+    other, listener = _acceptor({1})
+    other.key = MeshKey(b"x" * 32, "test.mesh")
+    with listener:
+        out = _run_acceptor(other, 1.5)
+        with pytest.raises(BackendError, match="did not prove it belongs to this job"):
+            connect(listener.getsockname(), MeshKey(SECRET, "test.mesh"), 1, 0, Deadline(5))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    assert other.refused == 1
+
+
+def test_the_key_shows_nowhere() -> None:
+    key = MeshKey(SECRET, "job.mailbox")
+    assert repr(key) == str(key) == "MeshKey('job.mailbox')"
+    assert not hasattr(key, "__dict__")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        MeshKey(b"short", "job.mailbox")
+
+
+# -- in-process: frames on an authenticated mesh ---------------------------------------------
+@pytest.mark.parametrize("frame, why", [
+    (FRAME.pack(0, MAX_FRAME_BYTES + 1), f"sent a {MAX_FRAME_BYTES + 1}-byte frame, over"),
+    (FRAME.pack(-5, 4) + b"abcd", "sent a frame on stream -5, not a stream of this mesh"),
+    (FRAME.pack(1 << 30, 4) + b"abcd", f"sent a frame on stream {1 << 30}, not a stream"),
+])
+def test_a_broken_frame_ends_that_peers_connection(frame: bytes, why: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Checked before it is used: nothing of it reaches an inbox, the peer counts as
+    gone with the reason, and the other peers carry on."""
+    boxes = _mesh(3)
+    try:
+        ports = [b.port(0) for b in boxes]
+        with caplog.at_level(logging.WARNING, "asynclock.transport"):
+            boxes[1]._peers[0].sendall(frame)
+            ports[2].isend(np.array([42], np.int64), 0)
+            for _ in range(20_000):
+                boxes[0].pump()
+                if 1 in boxes[0].dead and boxes[0].inboxes[P2P]:
+                    break
+                time.sleep(0.0005)
+        assert boxes[0].broken[1].startswith(why[:40]), boxes[0].broken
+        assert [source for source, _ in boxes[0].inboxes[P2P]] == [2]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"asynclock[rank 0]: test.mailbox: rank 1 {boxes[0].broken[1]}; its connection "
+            "is closed"]
+        with pytest.raises(BackendError, match=re.escape(why[:30])):
+            ports[0].isend(np.ones(1, np.int64), 1)
+    finally:
+        for b in boxes:
+            b.close()
+
+
+def test_a_message_over_the_frame_limit_is_not_sent() -> None:
+    boxes = _mesh(2)
+    try:
+        with pytest.raises(BackendError, match="carries at most"):
+            boxes[0].port(0).isend(np.zeros(MAX_FRAME_BYTES // 8 + 1, np.int64), 1)
+    finally:
+        for b in boxes:
+            b.close()
+
+
+# -- where the listeners are bound -----------------------------------------------------------
+def listening(port: int) -> list[str]:
+    """The local addresses (hex, as the kernel writes them) of the listeners on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            host, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:
+                found.append(host)
+    return found
+
+
+def test_the_gloo_bulk_store_listens_on_the_address_it_gives_out() -> None:
+    """torch's TCPStore binds every interface by itself; rank 0's store for the gloo
+    bulk path listens on loopback within one node, on the host's address across."""
+    pytest.importorskip("torch.distributed")
+    from asynclock._core.transports import gloo_bulk
+
+    for spans, want in ((False, "127.0.0.1"), (True, socket.gethostbyname(socket.gethostname()))):
+        where = gloo_bulk._serve(2, spans)
+        assert where is not None and where[0] == want, where
+        want_hex = socket.inet_aton(want)[::-1].hex().upper()
+        assert listening(where[1]) == [want_hex], (where, listening(where[1]))
+
+
+# -- jobs ------------------------------------------------------------------------------------
+def wait_for(paths: list[Path], job_done: threading.Event, seconds: float = 90) -> bool:
+    deadline = Deadline(seconds)
+    while not all(p.exists() for p in paths):
+        if job_done.is_set() or deadline.passed():
+            return False
+        time.sleep(0.05)
+    return True
+
+
+Attacks = dict[tuple[str, int], list[tuple[str, Callable[[socket.socket, int], None]]]]
+
+
+SETTLE_S = 0.3  # rank 0 serves its clients while the others hold: this long before the go
+
+
+def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path,
+                       stall_s: float = 0.0) -> tuple[Job, list[str]]:
+    """A trust_mesh.py job whose mesh listeners meet `attacks` first: per (mesh, rank),
+    (reason, attack). Rank 0 serves its clients as they come; the other ranks hold
+    until the test's go, so theirs wait in the listen backlog ahead of every real peer.
+    `stall_s`: added time before the mailbox mesh's go (a stalled client's deadline)."""
+    hold, marker = tmp_path / "hold", tmp_path / "planted"
+    hold.mkdir()
+    env = {"ASYNCLOCK_MESH_HOLD": str(hold), "ASYNCLOCK_HANDSHAKE_S": "1",
+           "ASYNCLOCK_HEARTBEAT_S": "0.1"}
+    result: dict[str, Job] = {}
+    done = threading.Event()
+
+    def job() -> None:
+        try:
+            result["job"] = run_horovodrun("trust_mesh.py", nranks, str(marker), gloo=True,
+                                           timeout=120, env=env)
+        finally:
+            done.set()
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    intruders: list[Intruder] = []
+    problems: list[str] = []
+    try:
+        for mesh in ("mailbox", "heartbeat"):
+            announced = [hold / f"asynclock0.{mesh}.{r}" for r in range(nranks)]
+            if not wait_for(announced, done):
+                problems.append(f"the {mesh} listeners were never announced")
+                break
+            addresses = [(host, int(port)) for host, port in
+                         (p.read_text().split() for p in announced)]
+            problems += [f"{mesh} rank {r} listens on {listening(port)}, not loopback only"
+                         for r, (_, port) in enumerate(addresses)
+                         if listening(port) != [LOOPBACK_HEX]]
+            for (target, rank), planned in attacks.items():
+                if target == mesh:
+                    intruders += [Intruder(addresses[rank], rank, a) for _, a in planned]
+            problems += [f"{mesh}: a client could not connect"
+                         for i in intruders if not i.connected.wait(10)]
+            time.sleep(SETTLE_S + (stall_s if mesh == "mailbox" else 0.0))
+            (hold / f"go.asynclock0.{mesh}").touch()
+    finally:
+        for mesh in ("mailbox", "heartbeat"):
+            (hold / f"go.asynclock0.{mesh}").touch()
+        runner.join(150)
+        for intruder in intruders:
+            intruder.release()
+    assert not marker.exists(), "a foreign client's pickle was loaded"
+    return result["job"], problems
+
+
+def assert_refusals(job: Job, attacks: Attacks) -> None:
+    """One log line per client, on the rank and mesh it tried; each rank's count."""
+    for (mesh, rank), planned in attacks.items():
+        lines = re.findall(rf"asynclock\[rank {rank}\]: asynclock0\.{mesh} refused a "
+                           rf"connection from 127\.0\.0\.1:\d+: it (.*) \(\d+ refused so far\)",
+                           job.output)
+        assert sorted(lines) == sorted(reason for reason, _ in planned), (
+            mesh, rank, lines, job.explain())
+    for rank in {r for _, r in attacks}:
+        total = sum(len(p) for (_, r), p in attacks.items() if r == rank)
+        assert f"RANK {rank} OK refused {total}\n" in job.output, job.explain()
+
+
+def need_gloo() -> None:
+    if why := horovodrun_missing(gloo=True):
+        pytest.skip(why)
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_foreign_clients_first_at_two_ranks(tmp_path: Path) -> None:
+    """Rank 0 meets an impostor that claims rank 1 and sends frames (a pickle that
+    plants a file when loaded), a client with its own key, a stalled one, an
+    oversize one, then on the heartbeat mesh more of each kind; the job runs."""
+    need_gloo()
+    marker = tmp_path / "planted"
+    attacks: Attacks = {
+        ("mailbox", 0): [(REASONS["impostor"], impostor(1, marker)),
+                         (REASONS["wrong_secret"], wrong_secret(1)),
+                         ("sent no complete handshake within 1 s", send(hello(1, 0)[:20])),
+                         (REASONS["oversize"], oversize(1))],
+        ("heartbeat", 0): [(REASONS["impostor"], impostor(1, marker)),
+                           ("speaks mesh handshake version 9, this rank 1",
+                            send(hello(1, 0, version=9))),
+                           ("claimed rank 5, which does not connect to rank 0",
+                            send(hello(5, 0)))],
+    }
+    job, problems = run_with_intruders(2, attacks, tmp_path, stall_s=1.0)
+    assert not problems, problems
+    assert_labels(job, 2, "collectives")
+    assert_refusals(job, attacks)
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+def test_foreign_clients_first_at_three_ranks(tmp_path: Path) -> None:
+    """Rank 1 accepts rank 2 only after connecting to rank 0: its clients wait in its
+    backlog ahead of the real rank 2 and are refused when it gets to them."""
+    need_gloo()
+    marker = tmp_path / "planted"
+    attacks: Attacks = {
+        ("mailbox", 0): [("called rank 1, not this rank", send(hello(2, 1))),
+                         (REASONS["impostor"], impostor(2, marker))],
+        ("mailbox", 1): [(REASONS["impostor"], impostor(2, marker)),
+                         ("claimed rank 2 without proof of the job secret", blind_proof(2, 1))],
+        ("heartbeat", 1): [("claimed rank 0, which does not connect to rank 1",
+                            send(hello(0, 1))),
+                           (REASONS["closed"], send(hello(2, 1)[:30], close=True)),
+                           (REASONS["impostor"], impostor(2, marker))],
+    }
+    job, problems = run_with_intruders(3, attacks, tmp_path)
+    assert not problems, problems
+    assert_labels(job, 3, "collectives")
+    assert_refusals(job, attacks)
