@@ -1,18 +1,33 @@
 """The fixed-size header every checked collective exchanges first.
 
-Each rank contributes one slot of `SLOT_BYTES` to an allgather on the
-channel's header communicator: 16 int64 words that describe its call (kind,
-sequence number, op, dtype, shape, root, name, local input fault) followed by
-up to `INLINE_BYTES` of payload. Because the slot size never depends on the
-call, ranks that disagree still complete this step, see every rank's
-description, and raise the same `MismatchError`; no transport ever sees a
-mismatched buffer. Small payloads ride inline, so small collectives cost one
-round trip in total.
+Each rank describes its call in one slot of `SLOT_BYTES`: 18 int64 words
+(kind, sequence number, op, dtype, shape, root, name, local input fault)
+followed by up to `INLINE_BYTES` of payload. Because the slot size never
+depends on the call, ranks that disagree still complete the round, see
+every rank's description, and raise the same `MismatchError`; no transport
+ever sees a mismatched buffer. Small payloads ride inline, so small
+collectives cost one round trip in total.
+
+Two rounds carry it:
+
+* the rows round: an allgather of every rank's slot (`SLOT_BYTES` x N);
+* the compact round, where the channel has one (MPI): an allreduce of
+  `COMPACT_BYTES` whatever N is. Each rank sends a 64-bit fingerprint of
+  its header words and its complement, flags, a fold code and the inline
+  payload; the reduction ORs the first three words and folds the payloads
+  in rank order (`combine`). Every rank's fingerprint is equal exactly when
+  (OR fp) & (OR ~fp) == 0, so the reduced words tell every rank the same
+  verdict. A rank that needs every rank's words (a fault to report, a call
+  whose data depends on every rank's dims, a joined rank, a lane matching by
+  name) sets `NEED_ROWS`; then, and whenever the fingerprints differ, every
+  rank runs the rows round next, and the error names every rank's call as
+  before. Steady state costs one constant-size reduction per call.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 import zlib
 from typing import Any, NamedTuple
@@ -20,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .errors import JoinedError, MismatchError, RemoteInputError
-from .ops import DTYPE_NAMES, Kind, ReduceOp
+from .ops import DTYPE_CODES, DTYPE_NAMES, Kind, ReduceOp
 from .tensors import FAULT_TEXT, InputFault
 
 WORDS = 18
@@ -209,3 +224,92 @@ def _shape_text(row: np.ndarray[Any, Any]) -> str:
     ndim = int(row[W_NDIM])
     dims = [int(row[W_DIM0])] + [int(d) for d in row[W_D1:W_D1 + min(ndim - 1, 4)]]
     return str(dims[:ndim]) if ndim <= 5 else str(dims)[:-1] + ", ...]"
+
+
+# -- the compact round -------------------------------------------------------------
+C_FP, C_NOT_FP, C_FLAGS, C_FOLD = range(4)  # its words; the inline payload follows
+COMPACT_HEAD = 4
+COMPACT_WORDS = COMPACT_HEAD + INLINE_BYTES // 8
+COMPACT_BYTES = COMPACT_WORDS * 8
+NEED_ROWS = 1  # C_FLAGS: every rank runs the rows round for this call
+CONFLICT = -1  # C_FOLD after ranks sent different fold codes
+FOLD_NONE, FOLD_BOR = 0, 17  # no inline payload; bitwise OR (root's bytes, others zero)
+
+_FOLD_DTYPES = ("float32", "float64", "int32", "int64")
+_FOLD_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+# (dtype code, op) -> fold code 1..16, the numbering `_fastpath.c` shares
+FOLDS: dict[tuple[int, ReduceOp], int] = {
+    (DTYPE_CODES[d], op): 1 + i * len(_FOLD_DTYPES) + j
+    for i, op in enumerate(_FOLD_OPS) for j, d in enumerate(_FOLD_DTYPES)}
+_FOLD_UFUNCS: dict[int, tuple[np.dtype[Any], Any]] = {
+    1 + i * len(_FOLD_DTYPES) + j: (np.dtype(d), uf)
+    for i, uf in enumerate((np.add, np.multiply, np.minimum, np.maximum))
+    for j, d in enumerate(_FOLD_DTYPES)}
+_MASK = (1 << 64) - 1
+
+
+def fold_code(code: int, op: ReduceOp) -> int | None:
+    """The compact round's fold of an inline allreduce (an average sums, then the
+    caller divides), or None: no fold for that dtype, the rows round folds it."""
+    return FOLDS.get((code, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
+
+
+@functools.lru_cache(maxsize=64)
+def _key_words(kind: int) -> np.ndarray[Any, Any]:
+    """The words a fingerprint covers: what `kind` must match, less the sequence
+    number (mixed in per call), plus the name label (the matching key)."""
+    words = _MATCH.get(Kind(kind), _COMMON)
+    return np.array(sorted({w for w in words if w != W_SEQ} | {W_LABEL, W_LABEL2}), np.intp)
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def key_of_call(header: np.ndarray[Any, Any]) -> int:
+    """A 64-bit hash of a packed header's matched words, sequence number left out."""
+    kind = int(header[W_KIND]) if int(header[W_MAGIC]) == MAGIC else -1
+    words = header[_key_words(kind)] if kind in _KINDS else header[:WORDS]
+    digest = hashlib.blake2b(np.ascontiguousarray(words).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def fingerprint(key: int, seq: int) -> int:
+    """splitmix64(key ^ seq) as a signed word: a bijection in `seq` for one key, so
+    two calls that differ only in their sequence number never share it.
+    `_fastpath.c` computes the same."""
+    z = ((key ^ seq) + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z ^= z >> 31
+    return z - (1 << 64) if z >> 63 else z
+
+
+def compact_words(slot: np.ndarray[Any, Any], fold: int, flags: int,
+                  out: np.ndarray[Any, Any]) -> None:
+    """This rank's compact words from its packed slot (header, then payload)."""
+    fp = fingerprint(key_of_call(slot[:WORDS]), int(slot[W_SEQ]))
+    out[C_FP], out[C_NOT_FP], out[C_FLAGS], out[C_FOLD] = fp, ~fp, flags, fold
+    out[COMPACT_HEAD:] = slot[WORDS: WORDS + COMPACT_WORDS - COMPACT_HEAD]
+
+
+def compact_agreed(reduced: np.ndarray[Any, Any], fold: int) -> bool:
+    """Every rank sent this fingerprint and fold, and none asked for the rows."""
+    return (not int(reduced[C_FP]) & int(reduced[C_NOT_FP]) and not int(reduced[C_FLAGS])
+            and int(reduced[C_FOLD]) == fold)
+
+
+def combine(lower: np.ndarray[Any, Any], inout: np.ndarray[Any, Any]) -> None:
+    """The compact round's reduction: `inout` = `lower` (the lower ranks) with `inout`.
+    Not commutative, so MPI applies it in rank order, as the rows round folds."""
+    inout[:C_FOLD] |= lower[:C_FOLD]
+    if int(lower[C_FOLD]) != int(inout[C_FOLD]):
+        inout[C_FOLD] = CONFLICT
+        return
+    code = int(inout[C_FOLD])
+    a, b = lower[COMPACT_HEAD:], inout[COMPACT_HEAD:]
+    if code == FOLD_BOR:
+        b |= a
+    elif code in _FOLD_UFUNCS:
+        dtype, ufunc = _FOLD_UFUNCS[code]
+        with np.errstate(all="ignore"):
+            ufunc(a.view(dtype), b.view(dtype), out=b.view(dtype))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.header import INLINE_BYTES, W_DIM0, W_NBYTES, Call
+from ..base.header import FOLD_BOR, FOLD_NONE, INLINE_BYTES, W_DIM0, W_NBYTES, Call, fold_code
 from ..base.ops import HALF_CODES, NUMPY_OF_CODE, ReduceOp
 from ..base.reduce import finish_average_inplace, fold, from_compute, to_compute
 from ..base.tensors import Buffer, empty_like_code
@@ -55,9 +55,20 @@ class AllreduceOp(Operation):
         if self.buf.array.nbytes <= INLINE_BYTES:
             _inline(slot, self.buf.array)
 
+    def compact_fold(self) -> int | None:
+        if self.buf.array.nbytes > INLINE_BYTES:
+            return FOLD_NONE
+        return fold_code(self.buf.code, self.op)
+
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
         a = self.buf.array
         if a.nbytes <= INLINE_BYTES:
+            if self.reduced is not None:  # the compact round folded it
+                self.out[...] = self.reduced[: a.nbytes].view(a.dtype)
+                if self.op is ReduceOp.AVERAGE:
+                    finish_average_inplace(self.out, self.buf.code, self.lane.size)
+                self.inlined = True
+                return []
             rows_in = _rows_of(payload, self.buf.code, a.size)
             if self.joined:  # joined ranks sent no data: fold the others' (average: / size)
                 rows_in = np.delete(rows_in, self.joined, axis=0)
@@ -112,9 +123,15 @@ class BroadcastOp(Operation):
         if self.lane.rank == self.root and self.buf.array.nbytes <= INLINE_BYTES:
             _inline(slot, self.buf.array)
 
+    def compact_fold(self) -> int | None:
+        return FOLD_BOR if self.buf.array.nbytes <= INLINE_BYTES else FOLD_NONE
+
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
         a = self.buf.array
         if a.nbytes <= INLINE_BYTES:
+            if self.reduced is not None:  # root's bytes, OR'ed with the others' zeros
+                self.out[...] = self.reduced[: a.nbytes].view(a.dtype)
+                return []
             self.out[...] = _rows_of(payload[self.root: self.root + 1], self.buf.code, a.size)[0]
             return []
         if self.lane.rank == self.root and self.out is not a:
@@ -182,6 +199,9 @@ class ReduceScatterOp(Operation):
         self.work: Array | None = None
         self.send: Array = buf.array
 
+    def compact_fold(self) -> int | None:
+        return FOLD_NONE
+
     def plan(self, rows: Array, payload: Array) -> list[Stage]:
         self.stage_bytes = self.buf.array.nbytes
         send, recv = self.buf.array, self.out
@@ -230,6 +250,9 @@ class AlltoallOp(Operation):
 
 class BarrierOp(Operation):
     """The header round alone is the barrier, and it checks call order too."""
+
+    def compact_fold(self) -> int | None:
+        return FOLD_NONE
 
 
 class BroadcastObjectOp(Operation):

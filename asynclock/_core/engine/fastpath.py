@@ -1,5 +1,5 @@
-"""The C twin of the header round (`_fastpath.c`; see `engine.header_round`): build it,
-find it, load it.
+"""The C twin of the compact header round (`_fastpath.c`; see `engine.header_round`):
+build it, find it, load it.
 
 One build per MPI library (MPICH and Open MPI differ in ABI), named by a
 checksum of `MPI.Get_library_version()` and compiled with that MPI's own
@@ -27,8 +27,6 @@ from types import ModuleType
 from typing import Any
 
 from ..base import settings
-from ..base.header import HEADER_BYTES, SLOT_BYTES
-from ..base.ops import DTYPE_CODES, ReduceOp
 
 log = logging.getLogger("asynclock")
 HERE = Path(__file__).resolve().parent
@@ -70,34 +68,50 @@ def load() -> ModuleType | None:
     return module
 
 
-# the C round's folds by (dtype code, op); others fold in numpy
-_F32, _F64, _I32, _I64 = (DTYPE_CODES[n] for n in ("float32", "float64", "int32", "int64"))
-FOLDS: dict[tuple[int, ReduceOp], int] = {
-    (_F32, ReduceOp.SUM): 1, (_F64, ReduceOp.SUM): 2, (_I32, ReduceOp.SUM): 3,
-    (_I64, ReduceOp.SUM): 4, (_F32, ReduceOp.PRODUCT): 5, (_F64, ReduceOp.PRODUCT): 6,
-    (_I32, ReduceOp.PRODUCT): 7, (_I64, ReduceOp.PRODUCT): 8, (_I32, ReduceOp.MIN): 9,
-    (_I64, ReduceOp.MIN): 10, (_I32, ReduceOp.MAX): 11, (_I64, ReduceOp.MAX): 12,
-}
 _MODULE: list[ModuleType | None] = []  # loaded once per process
 
 
-def round_for(transport: Any, send: Any, recv: Any) -> Any:
-    """A C round on the transport's MPI header communicator, or None (where it is not
-    built or the transport has none: `header_round.PythonRound` then)."""
+def module() -> ModuleType | None:
+    """The loaded extension for this process, or None."""
+    if not _MODULE:
+        _MODULE.append(_load_quietly())
+    return _MODULE[0]
+
+
+def header_comm(transport: Any) -> Any:
+    """The transport's MPI header communicator, or None."""
     comm = getattr(transport, "hdr", None)
     if comm is None:
         comm = getattr(getattr(transport, "mpi", None), "hdr", None)
-    if comm is None:
-        return None
-    if not _MODULE:
-        _MODULE.append(_load_quietly())
-    module = _MODULE[0]
-    if module is None:
+    return comm
+
+
+def compact_round_for(transport: Any, send: Any, recv: Any) -> Any:
+    """A C compact round on the transport's header communicator, or None."""
+    comm, mod = header_comm(transport), module()
+    if comm is None or mod is None:
         return None
     from mpi4py import MPI
 
-    return module.Round(MPI._addressof(comm), send.ctypes.data, recv.ctypes.data, SLOT_BYTES,
-                        HEADER_BYTES, transport.size)
+    return mod.CompactRound(MPI._addressof(comm), send.ctypes.data, recv.ctypes.data)
+
+
+def compact_starter(transport: Any) -> Any:
+    """`start(send, recv) -> Request`: the general path's compact round with the C op,
+    or None where the extension is not loaded."""
+    comm, mod = header_comm(transport), module()
+    if comm is None or mod is None:
+        return None
+    from mpi4py import MPI
+
+    comm_addr, start = MPI._addressof(comm), mod.start_compact
+
+    def begin(send: Any, recv: Any) -> Any:
+        req = MPI.Request()
+        start(comm_addr, send.ctypes.data, recv.ctypes.data, MPI._addressof(req))
+        return req
+
+    return begin
 
 
 def _load_quietly() -> ModuleType | None:

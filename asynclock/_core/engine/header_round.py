@@ -1,35 +1,50 @@
-"""The small-call header round: one Python implementation and its C twin.
+"""The small-call header round: the compact round (Python and its C twin) and the
+rows round.
 
 `engine.small_calls` finishes a small collective inside the call when its
-header round completes within the engine's spin. The round it uses is a
-`Round`: `exchange()` writes the packed header (its sequence word patched)
-and the inline payload into the send slot, starts the allgather of slots,
-tests it until the spin ends and compares every rank's header. Both
-implementations put the same bytes on the wire and answer with the same
-states:
+header round completes within the engine's spin. The round it uses has one
+method, `exchange()`: it writes this rank's part (its sequence number
+patched in) and the inline payload into the send buffer, starts the round,
+tests it until the spin ends and judges it. Every implementation answers
+with the same states:
 
-* `DONE`: every rank agreed; the caller finishes from the receive slots;
-* `DONE_FOLDED`: agreed, and the inline rows are already folded into `out`
-  (only the C round folds, for the `fastpath.FOLDS` kinds);
-* `DIFFERENT`: finished, and some rank's header differs;
+* `DONE`: every rank agreed; the caller finishes from the receive buffer;
+* `DONE_FOLDED`: agreed, and the result is already in `out`;
+* `DIFFERENT`: finished, and some rank's call differs (or a rank asked for
+  the rows: the general path takes the call from there);
 * `IN_FLIGHT`: the spin ended first; `take_request` hands the round's
   request to the general path, which owns it from there.
 
-`PythonRound` is the reference implementation. `engine.fastpath` builds the
-C `Round` (`_fastpath.c`) per MPI library; `round_for` picks it where it is
-built and the transport exposes its MPI header communicator, else the
-Python round.
+On a channel with a compact round (MPI; `base.header`), `exchange(key,
+seq, data, spin, copy, out)` takes the call's 16-byte key (fingerprint key
+and fold code) and copies the reduced payload into `out` when `copy`:
+`PythonCompactRound`, or the C `CompactRound` (`_fastpath.c`, built per MPI
+library by `engine.fastpath`) where it is built. Elsewhere (the TCP mesh)
+`PythonRound` allgathers the packed slots, `exchange(header, seq, ...)`,
+and never folds. `compact_starter` is the compact round of the general
+path, with the same reduction op as the small-call round where C is built.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..base.header import HEADER_BYTES, agree
+from ..base.header import (
+    C_FLAGS,
+    C_FOLD,
+    C_FP,
+    C_NOT_FP,
+    COMPACT_HEAD,
+    HEADER_BYTES,
+    agree,
+    compact_agreed,
+    fingerprint,
+)
 from . import fastpath
 
 Array = np.ndarray[Any, Any]
@@ -74,23 +89,83 @@ class PythonRound:
         return req
 
 
+KEY = struct.Struct("<qq")  # a compact call's key: fingerprint key, fold code
+
+
+class PythonCompactRound:
+    """The compact round with mpi4py calls: the C `CompactRound`'s twin."""
+
+    __slots__ = ("_start", "_send", "_recv", "_payload", "_result", "_request")
+
+    def __init__(self, start: Start, send: Array, recv: Array) -> None:
+        self._start, self._send, self._recv = start, send, recv
+        self._payload = send.view(np.uint8)[COMPACT_HEAD * 8:]
+        self._result = recv.view(np.uint8)[COMPACT_HEAD * 8:]
+        self._request: Any = None
+
+    def exchange(self, key: bytes, seq: int, data: Array | None, spin: float, copy: int,
+                 out: Array | None) -> int:
+        if self._request is not None:
+            raise RuntimeError("a round is still in flight")
+        h, fold = KEY.unpack(key)
+        fp, send = fingerprint(h, seq), self._send
+        send[C_FP], send[C_NOT_FP], send[C_FLAGS], send[C_FOLD] = fp, ~fp, 0, fold
+        if data is None:
+            self._payload[:] = 0  # a broadcast's non-root: OR'ed with zeros
+        else:
+            raw = data.reshape(-1).view(np.uint8)
+            self._payload[: raw.size] = raw
+        deadline = time.perf_counter() + spin
+        req = self._start(send, self._recv)
+        while not req.Test():
+            if time.perf_counter() >= deadline:
+                self._request = req
+                return IN_FLIGHT
+        if not compact_agreed(self._recv, fold):
+            return DIFFERENT
+        if not copy or out is None:
+            return DONE
+        raw_out = out.reshape(-1).view(np.uint8)
+        raw_out[:] = self._result[: raw_out.size]
+        return DONE_FOLDED
+
+    def take(self) -> Any:
+        req, self._request = self._request, None
+        return req
+
+
+def is_compact(transport: Any) -> bool:
+    return bool(getattr(transport, "compact", False))
+
+
 def round_for(transport: Any, send: Array, recv: Array) -> Any:
-    """The C round on the transport's MPI header communicator where it is built,
-    else a `PythonRound` on the transport's own slot allgather."""
-    c_round = fastpath.round_for(transport, send, recv)
+    """The compact round where the channel has one (C where built), else the rows
+    round on the channel's slot allgather. `send`/`recv`: COMPACT_WORDS each, or a
+    slot and `size` slots."""
+    if not is_compact(transport):
+        return PythonRound(transport.iallgather_slots, send, recv, transport.size)
+    c_round = fastpath.compact_round_for(transport, send, recv)
     if c_round is not None:
         return c_round
-    start = getattr(transport, "iallgather_slots_direct", transport.iallgather_slots)
-    return PythonRound(start, send, recv, transport.size)
+    return PythonCompactRound(transport.iallreduce_compact, send, recv)
+
+
+def compact_starter(transport: Any) -> Start | None:
+    """The general path's compact round `(send, recv) -> request`, or None (no compact
+    round on this channel)."""
+    if not is_compact(transport):
+        return None
+    start: Start | None = fastpath.compact_starter(transport)
+    return start if start is not None else transport.iallreduce_compact
 
 
 def is_c(rnd: Any) -> bool:
-    return not isinstance(rnd, PythonRound)
+    return not isinstance(rnd, (PythonRound, PythonCompactRound))
 
 
 def take_request(rnd: Any) -> Any:
     """The request of a round left IN_FLIGHT, as a request the engine can own."""
-    if isinstance(rnd, PythonRound):
+    if isinstance(rnd, (PythonRound, PythonCompactRound)):
         return rnd.take()
     return fastpath.take_request(rnd)
 

@@ -1,6 +1,11 @@
 """The state machine every checked collective runs through.
 
-HEADER: the header allgather is in flight (issued in the caller's order).
+HEADER: the header round is in flight (issued in the caller's order). On a
+channel with a compact round (`base.header`) that is first the constant-size
+reduction; when its verdict asks for every rank's slot, the rows round
+follows on the channel's rows communicator, issued in header order: an op
+waits for that turn until every earlier op on the lane has its compact
+verdict, so every rank issues the rows rounds in the same order.
 READY: headers agreed; the next data stage waits for its turn in the
 channel's FIFO, so data-stage order is the header order on every rank.
 DATA: a data-stage request is in flight. DONE: result or error is set.
@@ -21,8 +26,24 @@ import anyio
 import numpy as np
 
 from ..base.errors import AsynclockError, BackendError
-from ..base.header import HEADER_BYTES, SLOT_WORDS, WORDS, Call, agree, check, joining, pack
+from ..base.header import (
+    COMPACT_HEAD,
+    COMPACT_WORDS,
+    FOLD_NONE,
+    HEADER_BYTES,
+    NEED_ROWS,
+    SLOT_WORDS,
+    WORDS,
+    Call,
+    agree,
+    check,
+    compact_agreed,
+    compact_words,
+    joining,
+    pack,
+)
 from ..transports.base import Channel, DataTransport, Request
+from . import header_round
 from .policy import ProgressPolicy
 
 Stage = Callable[[DataTransport], Request]  # called with the transport to use
@@ -33,6 +54,11 @@ class State(enum.Enum):
     READY = 2
     DATA = 3
     DONE = 4
+
+
+# Where an op in HEADER is: its compact round in flight; waiting for its turn to
+# issue the rows round; the rows round in flight (or done, waiting to be matched).
+COMPACT, AWAITING_ROWS, ROWS = 1, 2, 3
 
 
 class MatchTable(Protocol):
@@ -85,6 +111,9 @@ class Lane:
         self.queue: deque[Operation] = deque()
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
+        # The compact round's start (None: this channel has only the rows round).
+        self.compact_start = header_round.compact_starter(transport)
+        self.awaiting_rows = 0  # ops whose rows round waits for its turn
 
     def note_latency(self, seconds: float) -> float | None:
         """Record a small op's issue-to-done time; every 4th call returns the median
@@ -114,6 +143,20 @@ class Lane:
         raise ValueError(f"a collective named {name!r} is already in flight on "
                          f"{self.transport.name}: {held.describe()}")
 
+    def issue_rows(self) -> None:
+        """Start the rows rounds whose turn came: in header order, each once every
+        earlier op on the lane has its compact verdict (the order every rank has)."""
+        if not self.awaiting_rows:
+            return
+        for op in self.queue:
+            if op.state is not State.HEADER:
+                continue
+            if op.phase == COMPACT:
+                return
+            if op.phase == AWAITING_ROWS:
+                op.start_rows()
+        self.awaiting_rows = 0  # also forgets ops that failed while they waited
+
     def pump(self, issue: Callable[[Operation], None]) -> None:
         """Issue data stages strictly in header order; stop at the first not ready."""
         q = self.queue
@@ -136,7 +179,8 @@ class Operation:
     patient = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
-                 "awaiting_hint", "slot", "arrived", "collected", "_recv")
+                 "awaiting_hint", "slot", "arrived", "collected", "_recv", "_send", "_words",
+                 "phase", "fold", "reduced")
 
     def __init__(self, lane: Lane, call: Call) -> None:
         self.lane = lane
@@ -159,17 +203,45 @@ class Operation:
         self.slot = 0  # the lane's round index of this op's header round
         self.arrived = False  # header round complete, waiting for the matcher
         self.collected = False  # someone took the outcome (frees the name)
+        self._send: np.ndarray[Any, Any] | None = None  # this rank's slot, once packed
+        self._words: np.ndarray[Any, Any] | None = None  # its compact words (MPI reads them)
+        self.phase = ROWS
+        self.fold = FOLD_NONE
+        # The compact round's reduced inline payload, once every rank agreed on it.
+        self.reduced: np.ndarray[Any, Any] | None = None
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         """Issue the header round; must run in the caller's order."""
         lane = self.lane
-        send = np.zeros(SLOT_WORDS, np.int64)
-        pack(self.call, send)
-        self.fill_inline(send.view(np.uint8)[HEADER_BYTES:])
-        self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
-        self.request = lane.transport.iallgather_slots(send, self._recv)
+        if lane.compact_start is None:
+            self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
+            self.request = lane.transport.iallgather_slots(self.slot_words(), self._recv)
+        else:
+            fold = self.compact_fold()
+            rows = fold is None or self.call.fault or lane.matcher is not None
+            self.fold = FOLD_NONE if fold is None else fold
+            self._words = np.empty(COMPACT_WORDS, np.int64)
+            compact_words(self.slot_words(), self.fold, NEED_ROWS if rows else 0, self._words)
+            self._recv = np.empty(COMPACT_WORDS, np.int64)
+            self.phase = COMPACT
+            self.request = lane.compact_start(self._words, self._recv)
         self._enter(lane)
+
+    def slot_words(self) -> np.ndarray[Any, Any]:
+        """This rank's packed slot: header words, then the inline payload."""
+        if self._send is None:
+            send = np.zeros(SLOT_WORDS, np.int64)
+            pack(self.call, send)
+            self.fill_inline(send.view(np.uint8)[HEADER_BYTES:])
+            self._send = send
+        return self._send
+
+    def start_rows(self) -> None:
+        """Issue the rows round (`Lane.issue_rows` decides when)."""
+        self._recv = np.empty(self.lane.size * SLOT_WORDS, np.int64)
+        self.phase = ROWS
+        self.request = self.lane.transport.iallgather_slots(self.slot_words(), self._recv)
 
     def _enter(self, lane: Lane) -> None:
         """This op's round is the lane's newest: take its slot and FIFO place."""
@@ -184,6 +256,10 @@ class Operation:
         own buffers."""
         self.request, self._recv = request, recv
         lane = self.lane
+        if lane.compact_start is not None:
+            fold = self.compact_fold()
+            self.fold = FOLD_NONE if fold is None else fold
+            self.phase = COMPACT
         lane.rounds -= 1  # `_enter` counts it again
         self._enter(lane)
 
@@ -214,11 +290,30 @@ class Operation:
 
     def _advance(self) -> None:
         if self.state is State.HEADER:
-            self._on_header()
+            if self.phase == COMPACT:
+                self._on_compact()
+            else:
+                self._on_header()
         elif self.stages:
             self.state = State.READY
         else:
             self._finish(self.finish)
+
+    def _on_compact(self) -> None:
+        """The compact verdict: every rank agreed (go on as from agreed rows: every
+        row is this rank's slot, the inline payload already reduced), or every
+        rank runs the rows round in its turn."""
+        lane = self.lane
+        if compact_agreed(self._recv, self.fold):
+            self.reduced = self._recv.view(np.uint8)[COMPACT_HEAD * 8:]
+            self._recv = np.tile(self.slot_words(), lane.size)
+            self.phase = ROWS
+            lane.issue_rows()
+            self._on_header()
+        else:
+            self.phase = AWAITING_ROWS
+            lane.awaiting_rows += 1
+            lane.issue_rows()
 
     def _on_header(self) -> None:
         lane = self.lane
@@ -306,6 +401,12 @@ class Operation:
             f" name={c.name!r}" if c.name else "")
 
     # -- subclass hooks ------------------------------------------------------
+    def compact_fold(self) -> int | None:
+        """How the compact round folds this call's inline payload (`header.FOLDS`,
+        `FOLD_BOR`, `FOLD_NONE` when nothing rides inline), or None: the call
+        needs every rank's slot (default: the rows round)."""
+        return None
+
     def fill_inline(self, slot: np.ndarray[Any, Any]) -> None:
         """Copy a small payload into the header slot (default: none)."""
 

@@ -8,11 +8,13 @@ of such a call is Python bookkeeping: a `Call`, 18 packed words, an
 times the MPI call itself (figures: the benchmarks page).
 
 This path keeps, per call signature (kind, dtype, shape, op or root, name),
-the header bytes with only the sequence number left to patch and the
-finishing step (fold or copy) bound to views of reused receive slots. It
-issues the header allgather from reused buffers and tests it for the
+what its round sends with only the sequence number left to patch (the
+compact key, or the packed header on a channel with rows rounds only) and
+the finishing step (copy, fold or divide) bound to views of reused receive
+buffers. It issues the round from reused buffers and tests it for the
 engine's spin time. On the wire it is the general path's exact bytes, so
-ranks on either path agree, and a mismatch raises the same error on all.
+ranks on either path agree; when the compact verdict says the ranks differ,
+the general path takes the call and raises the same error on all.
 
 If the round has not finished when the spin ends, the request and its
 buffers are handed to the general path's operation in the engine (the next
@@ -34,6 +36,10 @@ import numpy as np
 
 from ..base.errors import BackendError
 from ..base.header import (
+    COMPACT_HEAD,
+    COMPACT_WORDS,
+    FOLD_BOR,
+    FOLD_NONE,
     HEADER_BYTES,
     INLINE_BYTES,
     SLOT_BYTES,
@@ -41,7 +47,9 @@ from ..base.header import (
     WORDS,
     Call,
     check,
+    fold_code,
     joining,
+    key_of_call,
     pack,
 )
 from ..base.ops import (
@@ -55,7 +63,7 @@ from ..base.ops import (
 )
 from ..base.reduce import HALF, finish_average_inplace, fold
 from ..base.tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wrapper
-from . import fastpath, header_round, staging
+from . import header_round, staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .handle import Handle
 from .operation import Lane, Operation
@@ -84,13 +92,13 @@ class Signature(NamedTuple):
     """What every call with this kind, dtype, shape, op or root and name shares."""
 
     call: Call  # seq 0; the real one is patched in
-    header: bytes  # the packed header words of `call`
+    header: bytes  # the compact key (`header_round.KEY`), or the packed header words
     end: int  # HEADER_BYTES + the bytes this rank sends inline
     code: int
     finish: Callable[[Array], None]  # the result into `out`, from the received slots
     make: Callable[[Call, Buffer | None, Array | None], Operation]  # for a hand-off
     op: ReduceOp | None = None  # set for an allreduce whose data follows the header
-    fold: int = 0  # the C round's fold of the inline rows (`fastpath.FOLDS`); 0: `finish`
+    fold: int = 0  # 1: the compact round copies the reduced payload into `out`; 0: `finish`
     bump: int = 1  # 0: a named call on a lane by name does not advance W_SEQ (`Lane.next_seq`)
 
 
@@ -99,6 +107,7 @@ class TinyCollectives:
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
         self._engine, self._lane, self._size = engine, lane, lane.size
+        self._compact = header_round.is_compact(lane.transport)
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
         self.handed_off = self.data_handed_off = 0
@@ -109,8 +118,12 @@ class TinyCollectives:
 
     def _new_buffers(self) -> None:
         """Fresh slots: the old ones now belong to an operation in flight."""
-        self._send = np.zeros(SLOT_WORDS, np.int64)
-        self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
+        if self._compact:
+            self._send = np.zeros(COMPACT_WORDS, np.int64)
+            self._recv = np.zeros(COMPACT_WORDS, np.int64)
+        else:
+            self._send = np.zeros(SLOT_WORDS, np.int64)
+            self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
         self._round = header_round.round_for(self._lane.transport, self._send, self._recv)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
 
@@ -259,7 +272,10 @@ class TinyCollectives:
         """Headers differ: on a lane by name, hand the round to the general path,
         which matches it (`engine.matching`); else raise the general path's
         error (same text on every rank), or name the ranks that joined and stand
-        in (`engine.join`)."""
+        in (`engine.join`). A compact verdict has no rows: the general path runs
+        the rows round and decides."""
+        if self._compact:
+            return True
         rows = self._recv.reshape(self._size, SLOT_WORDS)[:, :WORDS]
         if self._lane.by_name and not joining(rows):
             return True
@@ -293,8 +309,15 @@ class TinyCollectives:
 
         if staged:
             return self._signature(call, 0, code, _nothing, make)._replace(op=rop)
-        sig = self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
-        return sig._replace(fold=fastpath.FOLDS.get((code, rop), 0))
+        if not self._compact:
+            return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
+        fold = fold_code(code, rop)
+        if fold is None:
+            return None  # the compact round cannot fold it: the general path's rows round
+        if rop is ReduceOp.AVERAGE:
+            finish = self._average(code, a.size)
+            return self._signature(call, a.nbytes, code, finish, make, fold)
+        return self._signature(call, a.nbytes, code, _nothing, make, fold)._replace(fold=1)
 
     def _broadcast_signature(self, a: Array, code: int, shape: Any, root: int,
                              name: str | None) -> Signature | None:
@@ -302,19 +325,45 @@ class TinyCollectives:
             return None
         call = Call(Kind.BROADCAST, 0, dtype=code, root=root, shape=tuple(shape),
                     nbytes=a.nbytes, name=name or "")
-        row = self._rows(code, a.size)[root]
         lane = self._lane
-        return self._signature(call, a.nbytes if lane.rank == root else 0, code,
-                               lambda out: np.copyto(out, row),
-                               lambda c, b, o: BroadcastOp(lane, c, b, o, root))  # type: ignore[arg-type]
+
+        def make(c: Call, b: Buffer | None, o: Array | None) -> Operation:
+            return BroadcastOp(lane, c, b, o, root)  # type: ignore[arg-type]
+
+        inline = a.nbytes if lane.rank == root else 0
+        if self._compact:
+            root_bytes = self._reduced(code, a.size)
+            return self._signature(call, inline, code, lambda out: np.copyto(out, root_bytes),
+                                   make, FOLD_BOR)
+        row = self._rows(code, a.size)[root]
+        return self._signature(call, inline, code, lambda out: np.copyto(out, row), make)
 
     def _signature(self, call: Call, inline: int, code: int, finish: Callable[[Array], None],
-                   make: Callable[[Call, Buffer | None, Array | None], Operation]) -> Signature:
+                   make: Callable[[Call, Buffer | None, Array | None], Operation],
+                   fold: int = FOLD_NONE) -> Signature:
+        """`fold`: the compact round's fold code of the inline payload."""
         header = np.zeros(WORDS, np.int64)
         pack(call, header)
         bump = 0 if call.name and self._lane.by_name else 1
-        return Signature(call, header.tobytes(), HEADER_BYTES + inline, code, finish, make,
-                         bump=bump)
+        sent = (header_round.KEY.pack(key_of_call(header), fold) if self._compact
+                else header.tobytes())
+        return Signature(call, sent, HEADER_BYTES + inline, code, finish, make, bump=bump)
+
+    def _reduced(self, code: int, n: int) -> Array:
+        """The compact round's reduced payload, as `n` elements of `code`."""
+        dtype = NUMPY_OF_CODE[code]
+        start = COMPACT_HEAD * 8
+        return self._recv.view(np.uint8)[start: start + n * dtype.itemsize].view(dtype)
+
+    def _average(self, code: int, n: int) -> Callable[[Array], None]:
+        """An average's finish: the reduced sum, divided (`reduce.divide`'s rounding)."""
+        total, size = self._reduced(code, n), self._size
+
+        def finish(out: Array) -> None:
+            np.copyto(out, total)
+            finish_average_inplace(out, code, size)
+
+        return finish
 
     def _rows(self, code: int, n: int) -> Array:
         """Each rank's inline payload in the receive slots, as `n` elements of `code`."""

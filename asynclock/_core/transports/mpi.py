@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..base.header import COMPACT_BYTES, combine
 from ..base.ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
@@ -43,6 +43,24 @@ def _mpi_op(op: ReduceOp) -> Any:
 
 
 _P2P_TAG = 7
+_COMPACT: list[tuple[Any, Any]] = []  # (datatype, op), made once per process
+
+
+def _compact_op() -> tuple[Any, Any]:
+    """One COMPACT_BYTES element, reduced by `header.combine` in rank order."""
+    if not _COMPACT:
+        MPI = _mpi()
+        kind = MPI.BYTE.Create_contiguous(COMPACT_BYTES).Commit()
+
+        def reduce(lower: Any, inout: Any, datatype: Any) -> None:
+            n = len(memoryview(inout)) // COMPACT_BYTES
+            a = np.frombuffer(lower, np.int64).reshape(n, -1)
+            b = np.frombuffer(inout, np.int64).reshape(n, -1)
+            for i in range(n):
+                combine(a[i], b[i])
+
+        _COMPACT.append((kind, MPI.Op.Create(reduce, commute=False)))
+    return _COMPACT[0]
 
 
 def _displs(counts: list[int]) -> list[int]:
@@ -69,23 +87,30 @@ class MPIChannel:
 
     def __init__(self, world: Any, name: str, gloo: GlooStore | None = None) -> None:
         self.name = name
-        self.hdr = world.Dup()
+        self.hdr = world.Dup()  # the compact header rounds (and Ibarrier)
+        self.rows = world.Dup()  # the rows rounds, which follow in header order
         self.data = world.Dup()
         self.p2p = world.Dup()
         self.bulk = world.Dup()
         self.bulk.Set_name(f"asynclock.{name}.bulk")
         self.hdr.Set_name(f"asynclock.{name}.hdr")
+        self.rows.Set_name(f"asynclock.{name}.rows")
         self.data.Set_name(f"asynclock.{name}.data")
         self.p2p.Set_name(f"asynclock.{name}.p2p")
         self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
         self._bulk_view = BulkChannel(self, gloo.group(name) if gloo is not None else None)
-        # `iallgather_slots` without the Python frame, for engine.small_calls's hot path
-        self.iallgather_slots_direct: Callable[[Array, Array], Request] = self.hdr.Iallgather
+
+    compact = True  # header rounds: `iallreduce_compact`, then rows when asked
 
     def iallgather_slots(self, send: Array, recv: Array) -> Request:
-        return self.hdr.Iallgather(send, recv)  # type: ignore[no-any-return]
+        return self.rows.Iallgather(send, recv)  # type: ignore[no-any-return]
+
+    def iallreduce_compact(self, send: Array, recv: Array) -> Request:
+        """The compact header round with mpi4py's op (`engine.fastpath` has a C one)."""
+        kind, op = _compact_op()
+        return self.hdr.Iallreduce([send, kind], [recv, kind], op)  # type: ignore[no-any-return]
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         return self.data.Iallreduce(  # type: ignore[no-any-return]
@@ -137,7 +162,7 @@ class MPIChannel:
 
     def close(self) -> None:
         """Free every communicator; only called once nothing is in flight."""
-        for comm in (self.hdr, self.data, self.p2p, self.bulk):
+        for comm in (self.hdr, self.rows, self.data, self.p2p, self.bulk):
             if comm != _mpi().COMM_NULL:
                 comm.Free()
 
