@@ -223,7 +223,7 @@ def test_a_rank_without_the_secret_cannot_join_nor_be_joined() -> None:
     connecting rank stops with the same error."""
     acceptor, listener = _acceptor({1})
     with listener:
-        out = _run_acceptor(acceptor, 1.5)
+        out = _run_acceptor(acceptor, 1.0)
         with pytest.raises(BackendError, match="rank 0 at 127.0.0.1:.* did not prove it "
                                                "belongs to this job"):
             connect(listener.getsockname(), MeshKey(b"x" * 32, "test.mesh"), 1, 0, Deadline(5))
@@ -233,7 +233,7 @@ def test_a_rank_without_the_secret_cannot_join_nor_be_joined() -> None:
     other, listener = _acceptor({1})
     other.key = MeshKey(b"x" * 32, "test.mesh")
     with listener:
-        out = _run_acceptor(other, 1.5)
+        out = _run_acceptor(other, 1.0)
         with pytest.raises(BackendError, match="did not prove it belongs to this job"):
             connect(listener.getsockname(), MeshKey(SECRET, "test.mesh"), 1, 0, Deadline(5))
         out["thread"].join(10)  # type: ignore[attr-defined]
@@ -253,7 +253,7 @@ def test_the_key_shows_nowhere() -> None:
     (FRAME.pack(0, MAX_FRAME_BYTES + 1), f"sent a {MAX_FRAME_BYTES + 1}-byte frame, over"),
     (FRAME.pack(-5, 4) + b"abcd", "sent a frame on stream -5, not a stream of this mesh"),
     (FRAME.pack(1 << 30, 4) + b"abcd", f"sent a frame on stream {1 << 30}, not a stream"),
-])
+], ids=["oversize", "negative stream", "stream past the mesh's"])
 def test_a_broken_frame_ends_that_peers_connection(frame: bytes, why: str,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """Checked before it is used: nothing of it reaches an inbox, the peer counts as
@@ -422,7 +422,7 @@ def test_foreign_clients_first_at_two_ranks(tmp_path: Path) -> None:
                            ("claimed rank 5, which does not connect to rank 0",
                             send(hello(5, 0)))],
     }
-    job, problems = run_with_intruders(2, attacks, tmp_path, stall_s=1.0)
+    job, problems = run_with_intruders(2, attacks, tmp_path, stall_s=2.0)
     assert not problems, problems
     assert_labels(job, 2, "collectives")
     assert_refusals(job, attacks)
