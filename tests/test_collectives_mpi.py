@@ -115,8 +115,9 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
                   timeout=120, env={"ASYNCLOCK_FASTPATH": "1" if path == "C" else "0"})
     assert_all_ok(job, nranks)
     assert f"OK folds {path}" in job.output, job.explain()
-    labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "mismatch_in_the_spin",
-                             "cancel_after_hand_off") if nranks > 1 else ())
+    labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "rows_only_when_asked",
+                             "mismatch_in_the_spin", "cancel_after_hand_off")
+                            if nranks > 1 else ())
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 

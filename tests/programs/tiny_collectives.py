@@ -116,6 +116,25 @@ async def expect_shape_mismatch(c: asynclock.Coordinator) -> None:
     assert torch.equal(await c.allreduce(torch.ones(1)), torch.full((1,), float(c.size)))
 
 
+async def check_rows_only_when_asked(c: asynclock.Coordinator) -> None:
+    """On MPI, agreeing calls cost the compact round alone; a mismatch costs one rows
+    round (the error names every rank's call), and the next call is compact again."""
+    before = c.small_path_statistics().rows_rounds
+    t = torch.ones(3)
+    for _ in range(20):
+        await c.allreduce(t)
+        await c.allreduce(torch.ones(1000))  # its data follows the header round
+        await c.broadcast(t, root=c.size - 1)
+        await c.barrier()
+    agreed = c.small_path_statistics().rows_rounds - before
+    compact = header_round.is_compact(c._lane.transport)
+    assert agreed == (0 if compact else 80), agreed
+    await expect_shape_mismatch(c)
+    mismatch = c.small_path_statistics().rows_rounds - before - agreed
+    assert mismatch == 1, mismatch
+    report(c.rank, "rows_only_when_asked")
+
+
 async def check_mismatch_after_hand_off(c: asynclock.Coordinator) -> None:
     """A shape mismatch that the engine (not the spin) detects: same error everywhere."""
     if c.rank == 0:
@@ -271,6 +290,7 @@ async def main() -> None:
         if c.size > 1:
             await check_hand_off(c)
             await check_mismatch_after_hand_off(c)
+            await check_rows_only_when_asked(c)
             await check_mismatch_in_the_spin(c)
             await check_cancel_after_hand_off(c)
         await check_changed_tensor(c)

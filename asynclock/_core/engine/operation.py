@@ -114,6 +114,7 @@ class Lane:
         # The compact round's start (None: this channel has only the rows round).
         self.compact_start = header_round.compact_starter(transport)
         self.awaiting_rows = 0  # ops whose rows round waits for its turn
+        self.rows_rounds = 0  # rows rounds issued here (all of them without a compact round)
 
     def note_latency(self, seconds: float) -> float | None:
         """Record a small op's issue-to-done time; every 4th call returns the median
@@ -215,8 +216,7 @@ class Operation:
         """Issue the header round; must run in the caller's order."""
         lane = self.lane
         if lane.compact_start is None:
-            self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
-            self.request = lane.transport.iallgather_slots(self.slot_words(), self._recv)
+            self.start_rows()
         else:
             fold = self.compact_fold()
             rows = fold is None or self.call.fault or lane.matcher is not None
@@ -239,9 +239,11 @@ class Operation:
 
     def start_rows(self) -> None:
         """Issue the rows round (`Lane.issue_rows` decides when)."""
-        self._recv = np.empty(self.lane.size * SLOT_WORDS, np.int64)
+        lane = self.lane
+        self._recv = np.empty(lane.size * SLOT_WORDS, np.int64)
         self.phase = ROWS
-        self.request = self.lane.transport.iallgather_slots(self.slot_words(), self._recv)
+        lane.rows_rounds += 1
+        self.request = lane.transport.iallgather_slots(self.slot_words(), self._recv)
 
     def _enter(self, lane: Lane) -> None:
         """This op's round is the lane's newest: take its slot and FIFO place."""
@@ -251,12 +253,16 @@ class Operation:
             lane.names[self.call.name] = self
         lane.queue.append(self)
 
-    def resume_header(self, request: Request, recv: np.ndarray[Any, Any]) -> None:
+    def resume_header(self, request: Request, send: np.ndarray[Any, Any],
+                      recv: np.ndarray[Any, Any]) -> None:
         """Own a header round that `engine.small_calls` started (and counted) from its
-        own buffers."""
+        own buffers; MPI may read `send` until the round completes, so the op holds it."""
         self.request, self._recv = request, recv
         lane = self.lane
-        if lane.compact_start is not None:
+        if lane.compact_start is None:
+            self._send = send
+        else:
+            self._words = send
             fold = self.compact_fold()
             self.fold = FOLD_NONE if fold is None else fold
             self.phase = COMPACT

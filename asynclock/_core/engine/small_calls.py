@@ -81,11 +81,14 @@ _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cach
 @dataclass(frozen=True, slots=True)
 class TinyStatistics:
     """Calls that came this way, and rounds handed to the engine: header rounds
-    (a late rank) and data stages (a slow transfer; also counted in handed_off)."""
+    (a late rank) and data stages (a slow transfer; also counted in handed_off).
+    `rows_rounds`: the lane's rows rounds, every path's (on a channel with a compact
+    round they run only when ranks differ or a call needs every rank's slot)."""
 
     calls: int
     handed_off: int
     data_handed_off: int
+    rows_rounds: int = 0
 
 
 class Signature(NamedTuple):
@@ -128,7 +131,8 @@ class TinyCollectives:
         self._signatures.clear()  # finishing steps are bound to the old receive slots
 
     def statistics(self) -> TinyStatistics:
-        return TinyStatistics(self.calls, self.handed_off, self.data_handed_off)
+        return TinyStatistics(self.calls, self.handed_off, self.data_handed_off,
+                              self._lane.rows_rounds + (0 if self._compact else self.calls))
 
     # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
     def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
@@ -387,7 +391,7 @@ class TinyCollectives:
         else:
             buf = Buffer(flat, sig.code, tuple(shape), _wrap(obj, sig.code), obj)
             op = sig.make(call, buf, flat if inplace else np.empty(flat.size, flat.dtype))
-        op.resume_header(req, self._recv)
+        op.resume_header(req, self._send, self._recv)
         self._new_buffers()
         self.handed_off += 1
         self._engine.adopt_issued(op, self._issued_at)
