@@ -110,6 +110,7 @@ class Lane:
         self.uncollected: Operation | None = None  # the last named call finished, not taken
         self.queue: deque[Operation] = deque()
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
+        self.synchronous = 0  # small calls finished inside the call (`Engine.count_synchronous`)
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
         # The compact round's start (None: this channel has only the rows round).
         self.compact_start = header_round.compact_starter(transport)

@@ -1,0 +1,96 @@
+"""What the header round costs as the job grows: bytes and latency per checked call.
+
+Run: mpiexec -n N python bench/agreement.py [--json PATH]
+Times, in the same job, an awaited 4-byte allreduce and an awaited barrier
+through asynclock against a blocking 4-byte MPI_Allreduce from mpi4py (the
+systems take turns round by round; each figure is the median of the rounds),
+and reports the header bytes each rank contributes and receives per checked
+call: one COMPACT_BYTES element reduced (the compact round) plus the rows
+rounds the lane actually ran, or, on a version without the compact round,
+a SLOT_BYTES slot gathered from every rank. Point PYTHONPATH at another
+checkout to measure that version in the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import numpy as np
+from mpi4py import MPI
+
+import asynclock
+from asynclock._core.base import header
+
+WORLD = MPI.COMM_WORLD
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", help="append the row here (rank 0)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=2000, help="calls per round")
+    return p.parse_args()
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], calls: int) -> float:
+    WORLD.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        await fn()
+    return (time.perf_counter() - t0) / calls
+
+
+async def blocking(fn: Callable[[], Any]) -> None:
+    fn()
+
+
+def header_bytes(rows_per_call: float) -> tuple[int, float]:
+    """(bytes a rank sends, bytes it receives) in the header rounds of one call."""
+    n = WORLD.Get_size()
+    compact = getattr(header, "COMPACT_BYTES", None)
+    if compact is None:  # every call gathers every rank's slot
+        return header.SLOT_BYTES, header.SLOT_BYTES * n
+    rows = rows_per_call * header.SLOT_BYTES
+    return int(compact + rows), compact + rows * n
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with asynclock.start() as coord:
+        x = np.zeros(1, np.float32)
+        raw = np.zeros(1, np.float32)
+        systems: dict[str, Callable[[], Awaitable[Any]]] = {
+            "mpi4py_allreduce": lambda: blocking(lambda: WORLD.Allreduce(MPI.IN_PLACE, raw)),
+            "asynclock_allreduce": lambda: coord.allreduce_(x),
+            "asynclock_barrier": coord.barrier,
+        }
+        stats = coord.small_path_statistics
+        rows_before = getattr(stats(), "rows_rounds", None)
+        calls_before = stats().calls
+        samples: dict[str, list[float]] = {name: [] for name in systems}
+        for _ in range(args.rounds):
+            for name, fn in systems.items():
+                samples[name].append(await timed(fn, args.calls))
+        calls = stats().calls - calls_before
+        rows = None if rows_before is None else stats().rows_rounds - rows_before
+        sent, received = header_bytes(0.0 if rows is None else rows / max(calls, 1))
+        med = {name: statistics.median(s) for name, s in samples.items()}
+        row = {"ranks": WORLD.Get_size(), "mpi": MPI.Get_library_version().split()[0],
+               "compact": rows is not None, "rows_rounds": rows, "checked_calls": calls,
+               "header_bytes_sent": sent, "header_bytes_received": received,
+               **{f"{k}_us": round(v * 1e6, 2) for k, v in med.items()},
+               "allreduce_ratio": round(med["asynclock_allreduce"] / med["mpi4py_allreduce"], 2)}
+        if coord.rank == 0:
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    anyio.run(main, parse())
