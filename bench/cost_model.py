@@ -76,22 +76,36 @@ class Curve(NamedTuple):
 
 
 class Link(NamedTuple):
-    """One level's point-to-point cost: half a ping-pong's round trip by size."""
+    """One level's point-to-point costs by size: a one-way message (half a ping-pong's
+    round trip) and an exchange (MPI_Sendrecv with the partner, both ways at once,
+    as every step of recursive doubling, halving and a ring is). A transport that
+    copies in at the sender and out at the receiver does both copies on each rank
+    in an exchange; one that reads straight from the peer (CMA) does one."""
 
-    curve: Curve
+    one_way: Curve
+    exchange: Curve
 
     @property
     def alpha(self) -> float:
-        return self.curve.points[0][1]
+        return self.one_way.points[0][1]
 
     def beta(self, nbytes: float) -> float:
-        """Seconds per byte at this size, beyond the start-up."""
-        return max(0.0, self.curve.at(nbytes) - self.alpha) / max(nbytes, 1.0)
+        """Seconds per byte of a one-way message of this size, beyond the start-up."""
+        return max(0.0, self.one_way.at(nbytes) - self.alpha) / max(nbytes, 1.0)
 
     def send(self, nbytes: float, sharing: int = 1) -> float:
         """One message; `sharing` ranks of a node send through this link at once, each
         getting 1/sharing of its bandwidth."""
-        return self.alpha + max(1, sharing) * max(0.0, self.curve.at(nbytes) - self.alpha)
+        return _shared(self.one_way, nbytes, sharing)
+
+    def swap(self, nbytes: float, sharing: int = 1) -> float:
+        """One exchange of `nbytes` each way."""
+        return _shared(self.exchange, nbytes, sharing)
+
+
+def _shared(curve: Curve, nbytes: float, sharing: int) -> float:
+    start = curve.points[0][1]
+    return start + max(1, sharing) * max(0.0, curve.at(nbytes) - start)
 
 
 class Rate(NamedTuple):
@@ -175,7 +189,7 @@ def doubling(lay: Layout, nbytes: float, p: Params, reduce: bool = True) -> Cost
     every rank of a node at once."""
     g = p.gamma.time(nbytes) if reduce else 0.0
     intra, inter = steps_of(lay.ppn), steps_of(lay.nodes)
-    t = intra * (p.shm.send(nbytes) + g) + inter * (p.net.send(nbytes, lay.sharing) + g)
+    t = intra * (p.shm.swap(nbytes) + g) + inter * (p.net.swap(nbytes, lay.sharing) + g)
     return Cost(t, (intra + inter) * nbytes)
 
 
@@ -188,7 +202,7 @@ def halving(lay: Layout, nbytes: float, p: Params) -> Cost:
     for i in range(log2up(lay.n)):
         chunk /= 2
         near = (1 << i) < lay.ppn
-        hop = p.shm.send(chunk) if near else p.net.send(chunk, lay.sharing)
+        hop = p.shm.swap(chunk) if near else p.net.swap(chunk, lay.sharing)
         t += 2 * hop + p.gamma.time(chunk)
         sent += 2 * chunk
     extra = steps_of(lay.n) - log2up(lay.n)  # a non-power of two: the whole message in, out
@@ -202,7 +216,7 @@ def ring(lay: Layout, nbytes: float, p: Params) -> Cost:
     n = lay.n
     link = p.net if lay.nodes > 1 else p.shm
     chunk = nbytes / n
-    return Cost(2 * (n - 1) * link.send(chunk) + (n - 1) * p.gamma.time(chunk),
+    return Cost(2 * (n - 1) * link.swap(chunk) + (n - 1) * p.gamma.time(chunk),
                 2 * (n - 1) * chunk)
 
 
@@ -242,7 +256,7 @@ def mpi_allgather(lay: Layout, slot: float, p: Params) -> Cost:
     for i in range(log2up(lay.n)):
         d = 1 << i
         nbytes = min(d, lay.n - d) * slot
-        t += p.shm.send(nbytes) if d < lay.ppn else p.net.send(nbytes, lay.sharing)
+        t += p.shm.swap(nbytes) if d < lay.ppn else p.net.swap(nbytes, lay.sharing)
         sent += nbytes
     return Cost(t, sent)
 
@@ -408,7 +422,7 @@ def idle_wait(comm: Any) -> None:
         time.sleep(0.002)
 
 
-P2P_SIZES = (8, 2 << 10, 64 << 10, 512 << 10, 4 << 20, 64 << 20)
+P2P_SIZES = (8, 256, 2 << 10, 16 << 10, 64 << 10, 512 << 10, 4 << 20, 64 << 20)
 
 
 def probe_p2p(world: Any, hosts: list[str], timer: Timer) -> list[dict[str, Any]]:
@@ -428,6 +442,9 @@ def probe_p2p(world: Any, hosts: list[str], timer: Timer) -> list[dict[str, Any]
             buf = torch.zeros(nbytes, dtype=torch.uint8).numpy()  # torch's memory: see probe_raw
             half = pair_time(world, peer, partial(_pingpong, world, buf, peer), timer) / 2
             rows.append({"kind": "pingpong", "where": where, "bytes": nbytes, "seconds": half})
+            other = torch.zeros(nbytes, dtype=torch.uint8).numpy()
+            swap = pair_time(world, peer, partial(_exchange, world, buf, other, peer), timer)
+            rows.append({"kind": "exchange", "where": where, "bytes": nbytes, "seconds": swap})
         window = 256
         small = np.zeros(8, np.uint8)
         per_batch = pair_time(world, peer, partial(_stream, world, small, peer, window), timer)
@@ -455,6 +472,11 @@ def _pingpong(world: Any, buf: Any, peer: int) -> None:
     else:
         world.Recv(buf, 0, 11)
         world.Send(buf, 0, 11)
+
+
+def _exchange(world: Any, send: Any, recv: Any, peer: int) -> None:
+    other = peer if world.rank == 0 else 0
+    world.Sendrecv(send, other, 14, recv, other, 14)
 
 
 def _stream(world: Any, buf: Any, peer: int, window: int) -> None:
@@ -598,6 +620,29 @@ def probe_argv(job: Job, out: Path, args: argparse.Namespace, link: str) -> list
 PROBE_ENV = {"ASYNCLOCK_BULK": "mpi", "ASYNCLOCK_BENCH_HOROVOD": "0", "OMP_NUM_THREADS": "1"}
 
 
+def cpu_idle(seconds: float = 1.0) -> float:
+    """The fraction of the machine's CPU time left idle over `seconds` (/proc/stat)."""
+    def snap() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    idle0, all0 = snap()
+    time.sleep(seconds)
+    idle1, all1 = snap()
+    return (idle1 - idle0) / max(1, all1 - all0)
+
+
+def wait_quiet(max_s: float, want: float = 0.85) -> float:
+    """Start a job once other work on the machine has (mostly) stopped, or after
+    `max_s`: the cores are shared, and a job beside a busy process measures it."""
+    deadline = time.monotonic() + max_s
+    while True:
+        idle = cpu_idle()
+        if idle >= want or time.monotonic() > deadline:
+            return idle
+        time.sleep(2.0)
+
+
 def run_local(job: Job, args: argparse.Namespace) -> dict[str, Any] | None:
     sys.path.insert(0, str(ROOT / "mpi"))
     import mpi_select
@@ -606,21 +651,23 @@ def run_local(job: Job, args: argparse.Namespace) -> dict[str, Any] | None:
         out = Path(tmp) / "out.json"
         env = {**mpi_select.environ_for(job.mpi), **PROBE_ENV, **job.env}
         argv = mpi_select.launcher(job.mpi, job.n) + probe_argv(job, out, args, "local")
+        idle = wait_quiet(args.quiet_s)
         t0 = time.monotonic()
         proc = subprocess.run(argv, env=env, capture_output=True, text=True,
                               timeout=args.job_timeout, check=False)
-        print(f"#   {time.monotonic() - t0:.0f} s", flush=True)
-        return _finish(proc, out, job)
+        print(f"#   {time.monotonic() - t0:.0f} s, {idle:.0%} idle before", flush=True)
+        return _finish(proc, out, job, idle)
 
 
-def _finish(proc: subprocess.CompletedProcess[str], out: Path, job: Job) -> dict[str, Any] | None:
+def _finish(proc: subprocess.CompletedProcess[str], out: Path, job: Job,
+            idle: float) -> dict[str, Any] | None:
     label = f"{job.where} {job.mpi} n={job.n} ppn={job.ppn}{' horovod' if job.horovod else ''}"
     print(f"# {label}: exit {proc.returncode}", flush=True)
     if proc.returncode != 0 or not out.exists():
         print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
         return None
     data: dict[str, Any] = json.loads(out.read_text())
-    data["meta"].update(kind=job.mpi, where=job.where, horovod=job.horovod)
+    data["meta"].update(kind=job.mpi, where=job.where, horovod=job.horovod, idle=[idle])
     return data
 
 
@@ -663,10 +710,11 @@ def measure_netrig(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_rig(job: Job, rig: Any, args: argparse.Namespace) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="cost-model-") as tmp:
         out = Path(tmp) / "out.json"
+        idle = wait_quiet(args.quiet_s)
         live = rig.start(job.mpi, job.n, probe_argv(job, out, args, args.link),
                          {**PROBE_ENV, **job.env}, per_host=job.ppn)
         code = live.finish(args.job_timeout)
-        data = _finish(subprocess.CompletedProcess([], code, live.output, ""), out, job)
+        data = _finish(subprocess.CompletedProcess([], code, live.output, ""), out, job, idle)
     rig.reap()
     return data
 
@@ -716,9 +764,10 @@ def repeated(run: Callable[[Job], dict[str, Any] | None], job: Job,
     for d in runs:
         for r in d["rows"]:
             merged.setdefault((r["kind"], r.get("where"), r["bytes"]), []).append(r["seconds"])
-    rows = [{"kind": k, "where": w, "bytes": b, "seconds": statistics.median(v), "runs": v}
-            for (k, w, b), v in merged.items()]
-    return {"meta": {**runs[0]["meta"], "runs": len(runs)}, "rows": rows}
+    rows = [{"kind": k, "where": w, "bytes": b, "seconds": statistics.median(v),
+             "best": min(v), "runs": v} for (k, w, b), v in merged.items()]
+    idle = [i for d in runs for i in d["meta"]["idle"]]
+    return {"meta": {**runs[0]["meta"], "runs": len(runs), "idle": idle}, "rows": rows}
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -773,10 +822,15 @@ class Points:
 
 
 def fit_link(pts: Points, job: dict[str, Any] | None, where: str) -> Link | None:
-    """Half the ping-pong's round trip at each measured size."""
-    found = [(float(b), pts.get(job, "pingpong", b, where)) for b in P2P_SIZES]
-    points = tuple((b, t) for b, t in found if t is not None)
-    return Link(Curve(points)) if len(points) >= 2 else None
+    """Half the ping-pong's round trip, and the exchange, at each measured size."""
+    curves = []
+    for kind in ("pingpong", "exchange"):
+        found = [(float(b), pts.get(job, kind, b, where)) for b in P2P_SIZES]
+        points = tuple((b, t) for b, t in found if t is not None)
+        if len(points) < 2:
+            return None
+        curves.append(Curve(points))
+    return Link(*curves)
 
 
 def fit_rate(pts: Points, kind: str) -> Rate | None:
@@ -871,10 +925,12 @@ def validation(stored: dict[str, Any]) -> list[dict[str, Any]]:
                     if model is None:
                         continue
                     pred = model(lay, rig_params(p, where)).seconds
+                    best = r.get("best", r["seconds"])
                     out.append({"mpi": mpi, "where": where, "layout": lay.label(),
                                 "kind": r["kind"], "bytes": r["bytes"],
-                                "measured": r["seconds"], "predicted": pred,
-                                "error": (pred - r["seconds"]) / r["seconds"]})
+                                "measured": r["seconds"], "best": best, "predicted": pred,
+                                "error": (pred - r["seconds"]) / r["seconds"],
+                                "error_best": (pred - best) / best})
     return out
 
 
@@ -903,15 +959,15 @@ KIND_TEXT = {
 
 
 def render_validation(rows: list[dict[str, Any]]) -> str:
-    lines = ["| MPI | ranks | what | size | measured | model | error |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| MPI | ranks | what | size | measured: median (best) | model | error: median "
+             "(best) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         where = r["layout"] + (" (netrig)" if r["where"] == "netrig" else "")
         size = fmt_b(r["bytes"]) if r["kind"] in ("mpi_allreduce", "asynclock_allreduce",
                                                   "horovod_allreduce") else ""
         lines.append(f"| {MPI_NAMES[r['mpi']]} | {where} | {KIND_TEXT[r['kind']]} | {size} | "
-                     f"{fmt_s(r['measured'])} | {fmt_s(r['predicted'])} | "
-                     f"{r['error'] * 100:+.0f}% |")
+                     f"{fmt_s(r['measured'])} ({fmt_s(r['best'])}) | {fmt_s(r['predicted'])} | "
+                     f"{r['error'] * 100:+.0f}% ({r['error_best'] * 100:+.0f}%) |")
     return "\n".join(lines)
 
 
@@ -1014,11 +1070,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", default=str(PARAMS_JSON))
     p.add_argument("--mpis", default="embedded,system")
     p.add_argument("--link", default="5gbit", help="netrig link rate")
-    p.add_argument("--rounds", type=int, default=3, help="timed batches per figure and job")
+    p.add_argument("--rounds", type=int, default=5, help="timed batches per figure and job")
     p.add_argument("--repeat", type=int, default=3, help="jobs per configuration (median)")
     p.add_argument("--round-s", type=float, default=0.1)
     p.add_argument("--job-timeout", type=float, default=240.0)
     p.add_argument("--skip-horovod", action="store_true")
+    p.add_argument("--quiet-s", type=float, default=60.0,
+                   help="wait up to this long for an idle machine before each job")
     # probe only
     p.add_argument("--json", default="cost_probe.json")
     p.add_argument("--sizes", default=",".join(map(str, SIZES[:3])))
