@@ -25,9 +25,15 @@
 #include <mpi.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 enum { DONE_FOLDED = 0, DIFFERENT = 1, IN_FLIGHT = 2, DONE = 3 };
+
+/* More ranks than cores on this host: a spinning rank gives its core to a peer
+ * between tests (header_round.yield_when_idle), or the peer it waits for may
+ * not run before the spin ends. */
+static int yield_idle = 0;
 
 static double now(void) {
     struct timespec ts;
@@ -174,6 +180,7 @@ static PyObject *compact_exchange(CompactRound *self, PyObject *const *args, Py_
         if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Test");
         if (flag) break;
         if (now() >= deadline) return PyLong_FromLong(IN_FLIGHT);
+        if (yield_idle) sched_yield();
     }
     const int64_t *r = self->recv;
     if ((r[C_FP] & r[C_NOT_FP]) || r[C_FLAGS] || r[C_FOLD] != fold)
@@ -225,7 +232,13 @@ static PyTypeObject CompactRoundType = {
     .tp_methods = compact_methods,
 };
 
+static PyObject *set_yield(PyObject *module, PyObject *arg) {
+    yield_idle = PyObject_IsTrue(arg);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_functions[] = {
+    {"set_yield", set_yield, METH_O, "Yield the core between tests of a spin (oversubscribed)."},
     {"start_compact", start_compact, METH_VARARGS, "Issue a compact round (general path)."},
     {NULL, NULL, 0, NULL}};
 

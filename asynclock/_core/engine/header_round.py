@@ -27,6 +27,7 @@ path, with the same reduction op as the small-call round where C is built.
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class PythonRound:
             if time.perf_counter() >= deadline:
                 self._request = req
                 return IN_FLIGHT
+            idle()
         return DONE if agree(self._recv, self._size) else DIFFERENT
 
     def take(self) -> Any:
@@ -89,7 +91,24 @@ class PythonRound:
         return req
 
 
-KEY = struct.Struct("<qq")  # a compact call's key: fingerprint key, fold code
+KEY = struct.Struct("<qq")
+# More ranks than cores on this host: spins give the core away between tests.
+YIELD_WHEN_IDLE = [False]
+
+
+def yield_when_idle(flag: bool) -> None:
+    """Set by the coordinator from its host's ranks and cores; every spin of this
+    process (both rounds, C and Python, and the engine's) follows it."""
+    YIELD_WHEN_IDLE[0] = flag
+    module = fastpath.module()
+    if module is not None:
+        module.set_yield(flag)
+
+
+def idle() -> None:
+    """One spin iteration found nothing: let a peer on this core run, if it must."""
+    if YIELD_WHEN_IDLE[0]:
+        os.sched_yield()  # a compact call's key: fingerprint key, fold code
 
 
 class PythonCompactRound:
@@ -121,6 +140,7 @@ class PythonCompactRound:
             if time.perf_counter() >= deadline:
                 self._request = req
                 return IN_FLIGHT
+            idle()
         if not compact_agreed(self._recv, fold):
             return DIFFERENT
         if not copy or out is None:

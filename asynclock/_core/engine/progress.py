@@ -32,6 +32,7 @@ from ..base.from_thread import loop_caller
 from ..base.header import Call
 from ..base.ops import DTYPE_NAMES, Kind, ReduceOp
 from ..base.wakeup import Alarm
+from . import header_round
 from .matching import Matcher, filler_call
 from .operation import Lane, MatchTable, Operation, State
 from .policy import ProgressPolicy
@@ -221,6 +222,7 @@ class Engine:
                     return True
             if op.threaded or time.perf_counter() >= deadline:
                 return False  # the wait thread has it: spinning would only hold the GIL
+            header_round.idle()
 
     def spin_for(self, lane: Lane) -> float:
         """How long to spin for an op on `lane` (kept cheap: `engine.small_calls` asks
@@ -330,6 +332,7 @@ class Engine:
                 continue
             pause = self.next_pause(time.perf_counter())
             if pause <= 0.0:
+                header_round.idle()
                 await anyio.sleep(0)
             else:
                 await self._sleep_until_woken(_sooner(pause, cap))

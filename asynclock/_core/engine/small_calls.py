@@ -180,6 +180,7 @@ class TinyCollectives:
         while not data.Test():
             if time.perf_counter() >= deadline:
                 return self._hand_off_data(sig, data, obj, a, out, shape)
+            header_round.idle()
         self._engine.note_latency(self._lane, time.perf_counter() - self._issued_at)
         if op is ReduceOp.AVERAGE:
             finish_average_inplace(out, sig.code, self._size)

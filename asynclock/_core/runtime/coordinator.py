@@ -28,7 +28,7 @@ from ..base.backoff import Backoff, wait_until
 from ..base.errors import NotInitializedError, ShutdownError
 from ..base.from_thread import name_os_thread
 from ..device import device
-from ..engine import staging
+from ..engine import header_round, staging
 from ..engine.join import join_lanes
 from ..engine.operation import Lane
 from ..engine.progress import Engine, EngineStatistics, ProgressPolicy
@@ -120,6 +120,7 @@ class Coordinator(Collectives, SyncPrimitives):
     def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
         self.backend = backend
         self._engine = Engine(policy)
+        header_round.yield_when_idle(backend.local_size > _cores())
         self._lane = self._add_lane("user", by_name=True)
         self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
@@ -134,7 +135,8 @@ class Coordinator(Collectives, SyncPrimitives):
         self._portal_cm: Any = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._lock = threading.Lock()
-        self.watchdog = Watchdog.start_for(backend, self._engine, self.rank, self.size)
+        self.watchdog = Watchdog.start_for(backend, self._engine, self.rank, self.size,
+                                           reform=failure.policy() == "reform")
 
     def run_sync_then_start(self, fn: Callable[[], T]) -> T:
         """`fn()` on the loop thread; the collectives it submits start only once
@@ -357,6 +359,28 @@ class Coordinator(Collectives, SyncPrimitives):
         if self is _global:
             settings.forget()
 
+    def abandon(self, error: BaseException) -> None:
+        """Leave this world without draining it: it lost a rank, or the job re-forms
+        (`runtime.elastic`). Every operation in flight, and every later call, fails
+        with `error`; the loop thread, the watchdog and the backend stop (Horovod too,
+        when asynclock started it), and the process goes on."""
+        if self._closed:
+            return
+        engine = self._engine
+        if self._portal is not None:
+            self._portal.call(engine.fail_all, error)
+            self._portal.call(self._portal.stop, True)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal, self._engine_owner = None, None
+        elif engine.failure is None:
+            engine.fail_all(error)  # no loop runs it (the async API left `running()`)
+        self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()  # says `closing` unless it already gave its verdict
+        self.backend.shutdown()
+        if self is _global:
+            settings.forget()
+
     async def __aenter__(self) -> Coordinator:
         self._running_cm = self.running()
         return await self._running_cm.__aenter__()
@@ -457,6 +481,14 @@ def local_rank() -> int:
     """This rank's index among the ranks on its host, like `hvd.local_rank()`
     (`asynclock.cuda.set_device` picks the GPU from it)."""
     return coordinator().local_rank
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def local_size() -> int:
