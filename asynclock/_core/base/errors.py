@@ -59,3 +59,17 @@ class UnmatchedError(MismatchError):
     """Collectives that some ranks issued and the others never did (e.g. a name
     that differs by rank): every rank waited on such calls past the stray timeout,
     or the job shut down. The message names every rank's unmatched calls."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised by an elastic state's `commit()` / `check_host_updates()` on every rank
+    at once, when Horovod's elastic driver reported hosts added or removed: the job
+    re-forms at this commit point. `skip_sync`: hosts were only removed, so every
+    rank of the new world already holds the committed state.
+
+    Not an `AsynclockError`: nothing failed, and code that catches those must not
+    swallow a re-formation."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts were added or removed: the job re-forms at this commit")
+        self.skip_sync = skip_sync

@@ -65,8 +65,11 @@ DECLARED: tuple[Setting, ...] = (
        "(0: every acquire asks the lock's home rank).", agree=True),
     _s("WATCHDOG", "flag", "1", "Heartbeats between ranks and the stall inspector.",
        agree=True),
-    _s("ON_ERROR", "text", "abort", "An uncaught error on one rank stops every rank "
-       "(`abort`), or only propagates (`raise`).", agree=True, choices=("abort", "raise")),
+    _s("ON_ERROR", "text", "auto", "An uncaught error on one rank stops every rank "
+       "(`abort`), or only propagates (`raise`); `reform`: a rank that dies or is cut off "
+       "fails the others' collectives with RankFailedError and they go on in a world without "
+       "it (elastic jobs). `auto`: `reform` under Horovod's elastic launcher, else `abort`.",
+       agree=True, choices=("auto", "abort", "raise", "reform")),
     # -- the progress engine ----------------------------------------------------------------
     _s("SPIN_US", "number", "200", "Microseconds a caller spins on a small collective before "
        "the poller takes it."),
@@ -87,6 +90,8 @@ DECLARED: tuple[Setting, ...] = (
        "(0: never)."),
     _s("FAILURE_GRACE_S", "number", "2", "Seconds a failing job gives its ranks to print "
        "and leave before they are ended."),
+    _s("ELASTIC_NAME_S", "number", "2", "Elastic jobs: seconds a survivor whose collective "
+       "failed waits for its watchdog to name the lost rank before it re-forms anyway."),
     _s("FROZEN_DUMP", "flag", "1", "A rank whose watchdog cannot run prints its own stacks "
        "before its peers give up on it."),
     _s("STALL_S", "number", "60", "Gradient rounds: seconds `synchronize()` waits for a "

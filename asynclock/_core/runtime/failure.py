@@ -26,6 +26,10 @@ every rank exits with n (`_deliberate_exit`).
 
 `ASYNCLOCK_ON_ERROR=raise` turns this off (the exception propagates as in a
 single process); world size 1 never needs it.
+
+In an elastic job (`ASYNCLOCK_ON_ERROR=reform`, the default under Horovod's
+elastic launcher) the failing rank still leaves this way, but its peers do not
+follow it: they re-form a world without it (`runtime.elastic`).
 """
 
 from __future__ import annotations
@@ -54,11 +58,17 @@ _previous_hook: Any = None
 _world: tuple[int, int] | None = None  # (rank, size) of the last coordinator
 _pid = os.getpid()  # a forked child (e.g. a data-loader worker) is not the rank
 _live: LiveRank | None = None
+# `horovodrun --min-np/--max-np` (or --host-discovery-script) sets it for every worker
+ELASTIC_LAUNCHER_ENV = "HOROVOD_ELASTIC"
 
 
 def policy() -> str:
-    """`abort` (default: one failing rank stops the job) or `raise`."""
+    """`abort` (one failing rank stops the job), `raise`, or `reform` (a lost rank
+    ends the world, not the job: `runtime.elastic`). `auto` is `reform` where
+    Horovod's elastic launcher started the rank, else `abort`."""
     value = settings.text("ASYNCLOCK_ON_ERROR")
+    if value == "auto":
+        return "reform" if os.environ.get(ELASTIC_LAUNCHER_ENV) == "1" else "abort"
     return value
 
 
@@ -108,7 +118,7 @@ def on_uncaught(rank: int, size: int, watchdog: Watchdog | None, exc: BaseExcept
 
     Returns only when the exception should simply propagate.
     """
-    if size <= 1 or not is_failure(exc) or policy() != "abort":
+    if size <= 1 or not is_failure(exc) or policy() == "raise":
         return
     if isinstance(exc, SystemExit):
         _deliberate_exit(rank, watchdog, exc)

@@ -28,6 +28,13 @@ after `ASYNCLOCK_FAILURE_GRACE_S` (2 s) with `os._exit` (see
 `runtime.failure` for why not MPI_Abort). A clean shutdown sends
 `closing`, so peers never take a finished rank for a dead one, and a peer
 still waiting on it gets a clear error instead of a hang.
+
+In an elastic job (`WatchdogPolicy.reform`) a lost peer ends the world, not
+the process: a peer whose heartbeat link closed is lost at once (its process
+ended), a silent one after `dead_after_s`; the verdict is printed once, sent
+to the live peers word for word (so every survivor raises the same
+`RankFailedError`), fails every in-flight operation, and the thread ends,
+leaving `lost` for `runtime.elastic`, which re-forms the world.
 """
 
 from __future__ import annotations
@@ -69,14 +76,15 @@ class WatchdogPolicy:
     stall_warn_s: float = 60.0
     stall_abort_s: float = 0.0
     grace_s: float = 2.0
+    reform: bool = False  # a lost peer ends the world, not the process (elastic jobs)
 
     @classmethod
-    def from_env(cls) -> WatchdogPolicy:
+    def from_env(cls, reform: bool = False) -> WatchdogPolicy:
         return cls(settings.number("ASYNCLOCK_HEARTBEAT_S"),
                    settings.number("ASYNCLOCK_DEAD_AFTER_S"),
                    settings.number("ASYNCLOCK_STALL_WARN_S"),
                    settings.number("ASYNCLOCK_STALL_ABORT_S"),
-                   settings.number("ASYNCLOCK_FAILURE_GRACE_S"))
+                   settings.number("ASYNCLOCK_FAILURE_GRACE_S"), reform)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +202,7 @@ class Watchdog:
         self._fatal: tuple[str, type[Exception] | None, bool] | None = None
         self._relayed = False  # the stop came from a peer's `failed` status
         self.stopping: str | None = None
+        self.lost: RankFailedError | None = None  # reform: the verdict that ended the world
         self.exit_code = 0
         self._job_code = 0  # a `sys.exit(n)` somewhere: every rank ends with n
         self._ping_at: float | None = None
@@ -206,7 +215,8 @@ class Watchdog:
                                         daemon=True)
 
     @classmethod
-    def start_for(cls, backend: Any, engine: Engine, rank: int, size: int) -> Watchdog | None:
+    def start_for(cls, backend: Any, engine: Engine, rank: int, size: int,
+                  reform: bool = False) -> Watchdog | None:
         """Start one when the transport carries heartbeats and there are peers."""
         heartbeats: Heartbeats | None = getattr(backend, "heartbeats", None)
         if heartbeats is None or size <= 1 or not settings.flag("ASYNCLOCK_WATCHDOG"):
@@ -215,7 +225,7 @@ class Watchdog:
             log.warning("asynclock[rank %d]: MPI is not MPI_THREAD_MULTIPLE: no heartbeats, "
                         "so a dead or frozen rank will not be detected", rank)
             return None
-        dog = cls(heartbeats, engine, rank, size)
+        dog = cls(heartbeats, engine, rank, size, WatchdogPolicy.from_env(reform))
         dog.start()
         return dog
 
@@ -231,6 +241,10 @@ class Watchdog:
             self._stop.set()
             self._wake.set()
             self._thread.join(timeout=self.policy.grace_s + 5.0)
+
+    def check_now(self) -> None:
+        """Look at the peers now rather than at the next beat (a collective failed)."""
+        self._wake.set()
 
     def announce_failure(self, summary: str) -> None:
         """This rank raised: tell every live peer now (the caller then exits)."""
@@ -284,8 +298,10 @@ class Watchdog:
         self._ping_loop(now)
         try:
             self._drain(now)  # first: a peer that said `closing` needs no more heartbeats
+            self._check_links()
             self._reap()
-            self._send_all(self._status(snap, RUNNING))
+            if self._fatal is None:
+                self._send_all(self._status(snap, RUNNING))
         except Exception as exc:  # e.g. MPI reporting a dead peer: silence will tell
             self._note_error(exc)
         self._check_peers(now, snap)
@@ -345,8 +361,9 @@ class Watchdog:
         elif st.state == FAILED and self.stopping is None:
             self._job_code = st.exit_code  # a `sys.exit(n)`: relayed, so every rank ends with n
             self._relayed = True
-            self._set_fatal(relay_text(peer, st.reason), RankFailedError,
-                            st.exit_code or EXIT_RANK_FAILED)
+            # re-forming, every survivor raises the origin's words: the same error everywhere
+            reason = st.reason if self.policy.reform else relay_text(peer, st.reason)
+            self._set_fatal(reason, RankFailedError, st.exit_code or EXIT_RANK_FAILED)
 
     def _ping_loop(self, now: float) -> None:
         """Measure how long the event loop leaves a callback waiting."""
@@ -361,6 +378,16 @@ class Watchdog:
         self._ping_at = None
 
     # -- what the statuses tell us ---------------------------------------------------
+    def _check_links(self) -> None:
+        """Re-forming: a peer whose link closed without saying `closing` has ended."""
+        if not self.policy.reform or self.heartbeats is None or self._fatal is not None:
+            return
+        for peer in sorted(self.heartbeats.lost() - self._closed):
+            self._dead.add(peer)
+            self._set_fatal(f"rank {peer} left the job: its connection closed (it exited or "
+                            "died)", RankFailedError, EXIT_RANK_FAILED)
+            return
+
     def _check_peers(self, now: float, snap: EngineSnapshot) -> None:
         for peer, heard in self._heard.items():
             silent = now - heard
@@ -411,6 +438,9 @@ class Watchdog:
     def _die(self, message: str, error: type[Exception] | None, local: bool) -> None:
         """Report once, tell the peers, fail the waiters, exit after the grace."""
         snap = self.engine.snapshot()
+        if self.policy.reform and error is RankFailedError:
+            self._leave_world(message, snap)
+            return
         doing = "" if error is StallError else f"; {doing_text(snap)}"
         if local:
             write_stderr(f"asynclock[rank {self.rank}]: {message}{doing}; "
@@ -426,6 +456,20 @@ class Watchdog:
             self.engine.fail_all_soon(error(f"{message}{doing}"))
         time.sleep(self.policy.grace_s)
         hard_exit(self.exit_code)
+
+    def _leave_world(self, message: str, snap: EngineSnapshot) -> None:
+        """Re-forming: report once, tell the live peers in the same words, fail the
+        waiters with that error; the process goes on (`runtime.elastic`)."""
+        write_stderr(f"asynclock[rank {self.rank}]: {message}; {doing_text(snap)}; "
+                     "re-forming the job without it\n")
+        try:
+            self._send_all(self._status(snap, FAILED, message[:2000]))
+        except Exception as exc:
+            self._note_error(exc)
+        self._flush_sends(0.5)
+        self.lost = RankFailedError(message)
+        self._told.set()
+        self.engine.fail_all_soon(RankFailedError(message))
 
     def _goodbye(self) -> None:
         """Clean close: peers stop expecting us; nothing pending at MPI_Finalize.

@@ -30,6 +30,8 @@ class Heartbeats(Protocol):
 
     def receive(self) -> list[tuple[int, Any]]: ...
 
+    def lost(self) -> set[int]: ...  # peers whose link closed (empty where none can tell)
+
 
 class MPIHeartbeats:
     """Heartbeats on a communicator of their own (`MPIBackend.watchdog_comm`)."""
@@ -50,6 +52,10 @@ class MPIHeartbeats:
             got.append((status.Get_source(), msg.recv()))
         return got
 
+    def lost(self) -> set[int]:
+        """MPI reports no closed link: a lost peer is one that falls silent."""
+        return set()
+
 
 class MailboxHeartbeats:
     """Heartbeats on a TCP mesh of their own (no MPI world: `horovodrun --gloo`)."""
@@ -68,6 +74,10 @@ class MailboxHeartbeats:
         got = [(peer, pickle.loads(payload)) for peer, payload in inbox]
         inbox.clear()
         return got
+
+    def lost(self) -> set[int]:
+        """Peers whose connection closed (read by `receive`): their process ended."""
+        return set(self.box.dead)
 
     def close(self) -> None:
         self.box.close()
