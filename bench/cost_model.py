@@ -262,22 +262,81 @@ def mpi_allgather(lay: Layout, slot: float, p: Params) -> Cost:
     return Cost(t, sent)
 
 
+def ring_allgather(lay: Layout, slot: float, p: Params) -> Cost:
+    """N - 1 steps, each passing one slot to the next rank; each step waits for the
+    slowest hop in the ring (the network one, across nodes)."""
+    link = p.net if lay.nodes > 1 else p.shm
+    return Cost((lay.n - 1) * link.swap(slot), (lay.n - 1) * slot)
+
+
+def linear_allgather(lay: Layout, slot: float, p: Params) -> Cost:
+    """Every rank sends its slot to every other rank at once (Open MPI's libnbc
+    Iallgather): 2 (N - 1) messages of CPU on each rank, and the node's link carries
+    ppn x (N - ppn) slots out."""
+    n = lay.n
+    t = p.shm.alpha + 2 * (n - 1) * p.o_msg
+    if lay.nodes > 1:
+        t += p.net.send(slot * (n - lay.ppn), lay.ppn) - p.net.alpha
+    return Cost(t, (n - 1) * slot)
+
+
+def binomial(lay: Layout, nbytes: float, p: Params, reduce: bool = True) -> Cost:
+    """Reduce up a binomial tree to rank 0, then broadcast down (Open MPI's libnbc
+    Iallreduce for in-place calls, non-commutative ops and messages under 64 KiB):
+    2 log2 N one-way steps of the whole message, the near ones inside the node; one
+    rank per node crosses the network in a step."""
+    near, far = log2up(lay.ppn), log2up(lay.nodes)
+    g = p.gamma.time(nbytes) if reduce else 0.0
+    t = 2 * (near * p.shm.send(nbytes) + far * p.net.send(nbytes)) + (near + far) * g
+    return Cost(t, 2 * nbytes if lay.n > 1 else 0.0)
+
+
+ALLGATHER_LONG = 512 << 10  # MPICH's MPIR_CVAR_ALLGATHER_LONG_MSG_SIZE: a ring from here
+
+
+def rows_wire(lay: Layout, p: Params) -> Cost:
+    """The rows round: MPI_Iallgather of one slot per rank. MPICH: recursive doubling
+    for a power of two under 512 KiB in all, else (at 4096 ranks: 1.1 MB) a ring;
+    Open MPI (libnbc): linear."""
+    if p.mpi == "system":
+        return linear_allgather(lay, SLOT_BYTES, p)
+    if lay.n * SLOT_BYTES >= ALLGATHER_LONG:
+        return ring_allgather(lay, SLOT_BYTES, p)
+    return mpi_allgather(lay, SLOT_BYTES, p)
+
+
+def compact_wire(lay: Layout, p: Params) -> Cost:
+    """The compact round: MPI_Iallreduce of one 160-byte element under a non-commutative
+    user op. MPICH runs user ops by recursive doubling in rank order; Open MPI's libnbc
+    by a binomial reduce and broadcast."""
+    if p.mpi == "system":
+        return binomial(lay, COMPACT_BYTES, p, reduce=False)
+    return doubling(lay, COMPACT_BYTES, p, reduce=False)
+
+
+def data_iallreduce(lay: Layout, nbytes: float, p: Params) -> Cost:
+    """The data stage below 1 MiB: MPI_Iallreduce in place. MPICH picks as for the
+    blocking call; Open MPI's libnbc takes the binomial tree for every in-place call."""
+    if p.mpi == "system":
+        return binomial(lay, nbytes, p)
+    return mpi_allreduce(lay, nbytes, p)
+
+
 # -- asynclock ---------------------------------------------------------------------------
 def check_after(lay: Layout, p: Params) -> Cost:
-    """The compact round: one allreduce of one 160-byte element under a non-commutative
-    user op (MPI runs it by recursive doubling in rank order), whatever N is."""
-    return doubling(lay, COMPACT_BYTES, p, reduce=False).plus(p.o_eng)
+    """The compact round, whatever N is: one 160-byte element."""
+    return compact_wire(lay, p).plus(p.o_eng)
 
 
 def check_before(lay: Layout, p: Params) -> Cost:
     """Every call's rows round, as before the compact round: an allgather of one
     272-byte slot per rank (then a compare of N headers, nanoseconds each)."""
-    return mpi_allgather(lay, SLOT_BYTES, p).plus(p.o_eng)
+    return rows_wire(lay, p).plus(p.o_eng)
 
 
 def check_rows(lay: Layout, p: Params) -> Cost:
     """A call whose ranks differ, or that needs every rank's dims: both rounds."""
-    return check_after(lay, p).add(mpi_allgather(lay, SLOT_BYTES, p))
+    return check_after(lay, p).add(rows_wire(lay, p))
 
 
 def data_extra(nbytes: float, p: Params) -> float:
@@ -289,11 +348,14 @@ def data_extra(nbytes: float, p: Params) -> float:
 
 def asynclock_allreduce(lay: Layout, nbytes: float, p: Params, before: bool = False) -> Cost:
     """A checked allreduce on MPI: the check, then (above 128 B) MPI_Iallreduce on the
-    data communicator, issued from the call below 1 MiB, from the wait thread above."""
+    data communicator issued from the call, or from 1 MiB a blocking MPI_Allreduce in
+    the channel's wait thread."""
     check = check_before(lay, p) if before else check_after(lay, p)
     if nbytes <= INLINE_BYTES:
         return check
-    return check.add(mpi_allreduce(lay, nbytes, p)).plus(data_extra(nbytes, p))
+    data = data_iallreduce(lay, nbytes, p) if nbytes < THREAD_MIN_BYTES else mpi_allreduce(
+        lay, nbytes, p)
+    return check.add(data).plus(data_extra(nbytes, p))
 
 
 def shm_reduce_scatter(nbytes: float, ppn: int, p: Params) -> float:
@@ -504,13 +566,16 @@ def probe_raw(world: Any, timer: Timer, sizes: list[int]) -> list[dict[str, Any]
         arr = torch.zeros(max(1, nbytes // 4)).numpy()
         rows.append({"kind": "mpi_allreduce", "bytes": nbytes, "seconds": timer.time(
             partial(world.Allreduce, MPI.IN_PLACE, arr, MPI.SUM))})
-    words = np.zeros(COMPACT_BYTES // 8, np.int64)
-    rows.append({"kind": "mpi_allreduce_bor", "bytes": COMPACT_BYTES, "seconds": timer.time(
-        lambda: world.Allreduce(MPI.IN_PLACE, words, MPI.BOR))})
+    # the two header rounds' MPI calls as asynclock issues them, non-blocking; a builtin
+    # op in place of the compact round's user op (each MPI picks the same algorithm for
+    # both at this size), waited for at once
+    words, reduced = np.zeros(COMPACT_BYTES // 8, np.int64), np.zeros(COMPACT_BYTES // 8, np.int64)
+    rows.append({"kind": "mpi_iallreduce_compact", "bytes": COMPACT_BYTES, "seconds": timer.time(
+        lambda: world.Iallreduce(words, reduced, MPI.BOR).Wait())})
     slot = np.zeros(SLOT_BYTES, np.uint8)
     slots = np.zeros(SLOT_BYTES * world.size, np.uint8)
-    rows.append({"kind": "mpi_allgather", "bytes": SLOT_BYTES, "seconds": timer.time(
-        lambda: world.Allgather(slot, slots))})
+    rows.append({"kind": "mpi_iallgather_rows", "bytes": SLOT_BYTES, "seconds": timer.time(
+        lambda: world.Iallgather(slot, slots).Wait())})
     bits = np.zeros(1, np.int64)
     rows.append({"kind": "mpi_allreduce_band", "bytes": 8, "seconds": timer.time(
         lambda: world.Allreduce(MPI.IN_PLACE, bits, MPI.BAND))})
@@ -607,6 +672,7 @@ class Job:
     horovod: bool = False
     sizes: tuple[int, ...] = SIZES[:3]
     p2p: bool = False
+    repeat: int = 0  # runs of this job (0: --repeat)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -676,7 +742,8 @@ def local_jobs(args: argparse.Namespace) -> Iterator[Job]:
     for mpi in args.mpis.split(","):
         for n in (1, 2, 4, 8):
             sizes = SIZES if n <= 2 else SIZES[:3]
-            yield Job(mpi, n, n, "local", sizes=sizes, p2p=n == 2)
+            # the points the parameters come from get more runs
+            yield Job(mpi, n, n, "local", sizes=sizes, p2p=n == 2, repeat=5 if n <= 2 else 0)
         if mpi == "system" and not args.skip_horovod:
             for n in (2, 4):
                 yield Job(mpi, n, n, "local", horovod=True)
@@ -684,7 +751,7 @@ def local_jobs(args: argparse.Namespace) -> Iterator[Job]:
 
 def netrig_jobs(args: argparse.Namespace) -> Iterator[Job]:
     for mpi in args.mpis.split(","):
-        yield Job(mpi, 2, 1, "netrig", sizes=SIZES, p2p=True)
+        yield Job(mpi, 2, 1, "netrig", sizes=SIZES, p2p=True, repeat=5)
         yield Job(mpi, 4, 2, "netrig", p2p=True)
         if mpi == "system" and not args.skip_horovod:
             yield Job(mpi, 2, 1, "netrig", horovod=True)
@@ -759,7 +826,7 @@ def repeated(run: Callable[[Job], dict[str, Any] | None], job: Job,
              times: int) -> dict[str, Any] | None:
     """The job `times` times; each figure the median of the runs (a short run on a
     shared machine meets another process now and then)."""
-    runs = [d for d in (run(job) for _ in range(times)) if d is not None]
+    runs = [d for d in (run(job) for _ in range(job.repeat or times)) if d is not None]
     if not runs:
         return None
     merged: dict[tuple[Any, ...], list[float]] = {}
@@ -865,7 +932,7 @@ def fit(pts: Points, mpi: str) -> Params | None:
                   if r["kind"] == "fresh_memory"), 0.0)
     return Params(mpi=mpi, shm=shm, net=net or shm, gamma=gamma, copy=copy, fresh=fresh,
                   o_msg=pts.get(two, "stream", 8, "intra") or 0.0,
-                  o_eng=max(0.0, a4 - at_one("mpi_allreduce_bor", COMPACT_BYTES)),
+                  o_eng=max(0.0, a4 - at_one("mpi_iallreduce_compact", COMPACT_BYTES)),
                   o_stage=max(0.0, stage), o_bulk=max(0.0, bulk), loop=loop)
 
 
@@ -886,8 +953,8 @@ def models_for(nbytes: int) -> dict[str, Model]:
 
 
 FIXED: dict[tuple[str, int], Model] = {
-    ("mpi_allreduce_bor", COMPACT_BYTES): lambda lay, p: doubling(lay, COMPACT_BYTES, p, False),
-    ("mpi_allgather", SLOT_BYTES): lambda lay, p: mpi_allgather(lay, SLOT_BYTES, p),
+    ("mpi_iallreduce_compact", COMPACT_BYTES): compact_wire,
+    ("mpi_iallgather_rows", SLOT_BYTES): rows_wire,
     ("mpi_allreduce_band", 8): lambda lay, p: hvd_negotiation(lay, p),
     ("hvd_miss_mpi", HVD_REQUEST_BYTES): lambda lay, p: hvd_negotiation_miss(lay, p),
 }
@@ -955,8 +1022,8 @@ def fmt_b(b: float) -> str:
 
 KIND_TEXT = {
     "mpi_allreduce": "MPI_Allreduce", "asynclock_allreduce": "asynclock allreduce_",
-    "mpi_allreduce_bor": "compact round's wire (Allreduce 160 B)",
-    "mpi_allgather": "rows round's wire (Allgather 272 B/rank)",
+    "mpi_iallreduce_compact": "compact round's MPI call (Iallreduce 160 B)",
+    "mpi_iallgather_rows": "rows round's MPI call (Iallgather 272 B/rank)",
     "mpi_allreduce_band": "Horovod negotiation (Allreduce 8 B BAND)",
     "hvd_miss_mpi": "Horovod miss cycle (MPI calls)", "horovod_allreduce": "hvd.allreduce_",
 }
@@ -1048,7 +1115,15 @@ def render_predictions(p: Params, layouts: Iterable[Layout]) -> str:
     return "\n".join(lines)
 
 
-def report(stored: dict[str, Any]) -> str:
+def assumed_net(spec: str) -> Link:
+    """A network given as "ALPHA_US,GBIT" (a straight line, full duplex), for what-ifs."""
+    alpha_us, gbit = (float(x) for x in spec.split(","))
+    alpha, big = alpha_us * 1e-6, float(64 << 20)
+    line = Curve(((8.0, alpha), (big, alpha + big * 8 / (gbit * 1e9))))
+    return Link(line, line)
+
+
+def report(stored: dict[str, Any], net: str | None = None) -> str:
     pts = Points(stored)
     ps = [p for p in (fit(pts, m) for m in ("embedded", "system")) if p is not None]
     if not ps:
@@ -1059,9 +1134,13 @@ def report(stored: dict[str, Any]) -> str:
            "\n## Parameters\n", render_params(ps),
            "\n## Validation: model vs measured (slowest rank's median per call)\n",
            render_validation(validation(stored))]
+    where = "netrig's 5 Gbit/s TCP between nodes"
+    if net is not None:
+        ps = [replace(p, net=assumed_net(net)) for p in ps]
+        where = f"an assumed network: {net.split(',')[0]} us, {net.split(',')[1]} Gbit/s"
     for p in ps:
-        out += [f"\n## Predictions, {MPI_NAMES[p.mpi]} parameters (netrig's 5 Gbit/s TCP "
-                "between nodes): latency, bytes sent per rank\n",
+        out += [f"\n## Predictions, {MPI_NAMES[p.mpi]} parameters ({where}): latency, "
+                "bytes sent per rank\n",
                 render_predictions(p, [Layout(8, 8)] + [Layout(*s) for s in SCALES])]
     return "\n".join(out)
 
@@ -1071,6 +1150,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", nargs="?", choices=("report", "probe"), default="report")
     p.add_argument("--measure", choices=("local", "netrig"))
+    p.add_argument("--net", metavar="ALPHA_US,GBIT",
+                   help="predict for this network between nodes instead of netrig's")
     p.add_argument("--params", default=str(PARAMS_JSON))
     p.add_argument("--mpis", default="embedded,system")
     p.add_argument("--link", default="5gbit", help="netrig link rate")
@@ -1096,7 +1177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.measure:
         measure(args)
-    print(report(load(args.params)))
+    print(report(load(args.params), args.net))
     return 0
 
 
