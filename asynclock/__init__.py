@@ -17,6 +17,7 @@ from ._core.base.errors import (
     AsynclockError,
     BackendError,
     CollectiveTimeout,
+    HostsUpdatedInterrupt,
     InvalidInputError,
     JoinedError,
     MismatchError,
@@ -47,6 +48,7 @@ from ._core.runtime.coordinator import (
     size,
     start,
 )
+from ._core.runtime.elastic import ObjectState, State, run_elastic
 from ._core.sync import Condition, ConsistencyPoint, Event, Lock, Semaphore, Sequential
 from ._tools.checkpoint import Checkpointer, CheckpointError, find_latest
 from ._tools.data import ShardSampler
@@ -80,4 +82,6 @@ __all__ = [
     "CheckpointError", "Checkpointer", "Condition", "ConsistencyPoint", "Event", "JoinedError",
     "Lock",
     "Semaphore", "Sequential", "ShardSampler", "find_latest",
+    # elastic jobs (horovodrun --min-np/--max-np)
+    "HostsUpdatedInterrupt", "ObjectState", "State", "run_elastic",
 ]

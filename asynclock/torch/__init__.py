@@ -18,6 +18,10 @@ Reduction operators, as in Horovod (`op=`; the default is Average): `Sum`, `Aver
 `Min`, `Max`, `Product`, and `Adasum` (for `allreduce` and `DistributedOptimizer`:
 Horovod's adaptive summation, computed from an allgather).
 `global_process_set` is the process set of all ranks (id 0), the default `process_set=`.
+
+`elastic` is Horovod's `hvd.elastic` namespace: `hvd.elastic.run`, `TorchState`,
+`ObjectState`, `State`, `ElasticSampler` and `HostsUpdatedInterrupt`, for jobs under
+`horovodrun --gloo --min-np N --max-np M` that lose and gain ranks without restarting.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ._grad.options import Tuning, training_policy
 from ._grad.reducer import quiesce_all, stop_workers
 from ._grad.step import TrainStep, TrainStepStatistics, train_step
 from ._grad.tracing import trace_module
+from ._hvd import elastic
 from ._hvd.differentiable import (
     allgather,
     allreduce,
@@ -185,7 +190,8 @@ __all__ = [
     "reducescatter_async", "HorovodInternalError", "ccl_built", "ddl_built",
     "sparse_allreduce_async", "start_timeline", "stop_timeline", "broadcast_optimizer_state",
     "broadcast_optimizer_state_async", "broadcast_parameters", "broadcast_parameters_async",
-    "cross_rank", "cross_size", "cuda_built", "gloo_built", "gloo_enabled", "grouped_allreduce",
+    "cross_rank", "cross_size", "cuda_built", "elastic", "gloo_built", "gloo_enabled",
+    "grouped_allreduce",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "quiesce_all", "reducescatter", "rocm_built", "shutdown", "size", "synchronize",

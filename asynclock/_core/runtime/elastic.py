@@ -249,7 +249,7 @@ class ObjectState(State):
     async def sync_async(self) -> None:
         if self._saved:
             self._saved = await runtime.coordinator().broadcast_object(self._saved, root=0)
-            self.restore()
+            self._put(copy.deepcopy(self._saved))
 
 
 # -- running a training function through resets ---------------------------------------------

@@ -102,7 +102,9 @@ def tagged(rank: int, text: str) -> str:
 
 
 def traceback_text(rank: int, size: int, exc: BaseException) -> str:
-    head = f"asynclock[rank {rank}]: uncaught {type(exc).__name__}; stopping all {size} ranks\n"
+    ending = ("leaving the job; the others re-form without it" if policy() == "reform"
+              else f"stopping all {size} ranks")
+    head = f"asynclock[rank {rank}]: uncaught {type(exc).__name__}; {ending}\n"
     return head + tagged(rank, "".join(traceback.format_exception(exc)))
 
 

@@ -303,7 +303,8 @@ class Watchdog:
             if self._fatal is None:
                 self._send_all(self._status(snap, RUNNING))
         except Exception as exc:  # e.g. MPI reporting a dead peer: silence will tell
-            self._note_error(exc)
+            if not (self.policy.reform and self.heartbeats and self.heartbeats.lost()):
+                self._note_error(exc)  # re-forming, a closed link is named just below
         self._check_peers(now, snap)
         self._check_stall(snap)
         self._cpu = time.thread_time()
@@ -462,6 +463,8 @@ class Watchdog:
         waiters with that error; the process goes on (`runtime.elastic`)."""
         write_stderr(f"asynclock[rank {self.rank}]: {message}; {doing_text(snap)}; "
                      "re-forming the job without it\n")
+        if self.heartbeats is not None:
+            self._dead |= self.heartbeats.lost()  # no status to a peer whose link closed
         try:
             self._send_all(self._status(snap, FAILED, message[:2000]))
         except Exception as exc:

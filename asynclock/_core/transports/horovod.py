@@ -54,6 +54,7 @@ from ..base.ops import DTYPE_CODES, ReduceOp
 from .base import DONE, Array, Request, close_channel_of
 from .handshake import SECRET_BYTES, MeshKey
 from .heartbeat import MailboxHeartbeats, MPIHeartbeats
+from .horovod_elastic import GlooSockets
 from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
 from .mailbox import AGREE, DATA, Address, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
@@ -359,6 +360,17 @@ def _job_secret(hvd: Any, rank: int, name: str) -> bytes:
     return bytes(got.numpy().tobytes())
 
 
+def _rank0s(hvd: Any, value: int) -> int:
+    """Rank 0's `value` on every rank, over Horovod: what names a backend's Horovod
+    operations must agree, and a rank that joined an elastic job later has made
+    fewer backends than the ranks that were there before it."""
+    import torch
+
+    got = hvd.broadcast(torch.tensor([value], dtype=torch.int64), root_rank=0,
+                        name="asynclock.backend")
+    return int(got.item())
+
+
 def _listen_host(one_host: bool) -> str:
     """The IPv4 address the meshes listen on and tell their peers: loopback when the
     job has one host, else the interface horovodrun gave Horovod's gloo, else what
@@ -410,13 +422,17 @@ class HorovodBackend:
             from mpi4py import MPI
 
             check_mpi4py(built, MPI.Get_library_version())
+        self._gloo: GlooSockets | None = None
         if self._owns_horovod:
             self._init_horovod(hvd)
         self._check_ranks(hvd)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
-        self._prefix = f"asynclock{next(_instances)}"
+        instance = next(_instances)
+        if self._mpi is None:  # elastic: a rank that joins later counts from 0
+            instance = _rank0s(hvd, instance)
+        self._prefix = f"asynclock{instance}"
         self._mailbox: Mailbox | None = None
         self.heartbeats: MPIHeartbeats | MailboxHeartbeats
         if self._mpi is not None:
@@ -455,10 +471,13 @@ class HorovodBackend:
                                    f"default); MPI was initialized with level {mpi.thread_level}")
         for key, value in GROUP_DEFAULTS.items():
             os.environ.setdefault(key, value)  # the user's own setting wins
+        before = GlooSockets.snapshot() if mpi is None else {}
         try:
             hvd.init(comm=mpi.world) if mpi is not None else hvd.init()
         except Exception as exc:
             raise BackendError(f"hvd.init() failed ({self.controller} controller): {exc}") from exc
+        if mpi is None:
+            self._gloo = GlooSockets(before)
 
     def _check_ranks(self, hvd: Any) -> None:
         """A Horovod the user initialized on another communicator would mis-route data."""
@@ -502,5 +521,7 @@ class HorovodBackend:
             self.heartbeats.close()  # the watchdog said `closing` before this
         if self._owns_horovod:
             _hvd().shutdown()
+        if self._gloo is not None:  # peers stuck in a receive from us go on now
+            self._gloo.end_connections()
         if self._mpi is not None:
             self._mpi.shutdown()

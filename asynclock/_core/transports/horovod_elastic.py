@@ -10,10 +10,16 @@ it, and rank 0 tells the other ranks at the next commit (`runtime.elastic`).
 
 Outside an elastic launch (no rendezvous server in the environment) nothing
 registers and no note ever comes.
+
+`GlooSockets` ends the connections Horovod's gloo leaves open after
+`hvd.shutdown()`, so that the peers of a rank that leaves a world do not wait
+out gloo's timeout in a receive from it (see the class).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,3 +41,57 @@ def listen_for_host_updates(listener: HostListener, environ: dict[str, str]) -> 
     notification_manager.init()
     notification_manager.register_listener(listener)
     return lambda: notification_manager.remove_listener(listener)
+
+
+# -- Horovod's gloo sockets outlive hvd.shutdown() ------------------------------------------
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors: fd -> `socket:[inode]`."""
+    found: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+class GlooSockets:
+    """The sockets Horovod's gloo opened in `hvd.init()`, to end their connections once
+    `hvd.shutdown()` returned.
+
+    Horovod 0.28 keeps its gloo pairs open after shutdown, until the next init
+    replaces them. A peer whose Horovod thread waits in a gloo receive from this
+    rank then waits out HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) before its shutdown
+    returns, however soon this rank left: a lost rank made every survivor wait
+    that long. Ending the connections (`shutdown(2)`, never `close`: the
+    descriptors stay Horovod's to close) lets such a receive fail at once.
+
+    A descriptor is ended only while it is still the socket that init opened
+    (same inode), so a number reused meanwhile is left alone.
+    """
+
+    def __init__(self, before: dict[int, str]) -> None:
+        self.opened = {fd: what for fd, what in _sockets().items() if before.get(fd) != what}
+
+    @staticmethod
+    def snapshot() -> dict[int, str]:
+        """Call before `hvd.init()`; pass the result to the constructor after it."""
+        return _sockets() if os.path.isdir("/proc/self/fd") else {}
+
+    def end_connections(self) -> int:
+        """After `hvd.shutdown()`: end the connections still open; how many."""
+        now, ended = _sockets(), 0
+        for fd, what in self.opened.items():
+            if now.get(fd) != what:
+                continue
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                ended += 1
+            except OSError:  # a listener, or a pair the peer already closed
+                pass
+            finally:
+                sock.detach()
+        return ended

@@ -251,3 +251,11 @@ def train_step(coord: Coordinator, optimizer: torch.optim.Optimizer,
     step = TrainStep(coord, optimizer, **options)
     _cache[optimizer] = (coord, step, options)
     return step
+
+
+def close_steps_of(coord: Coordinator) -> None:
+    """An elastic reset abandons `coord`: its train steps drop their hooks (the
+    next `coord.train_step(optimizer)` on the new world makes a new step)."""
+    for _optimizer, (owner, step, _options) in list(_cache.items()):
+        if owner is coord and not step.closed:
+            step.close()

@@ -15,9 +15,10 @@ once and lets the next forward start on layers whose buckets are in; and
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,6 +61,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  process_set: Any = None, shard: bool = False) -> None:
         self._base_class.__init__(self, params)  # type: ignore[call-arg]
         registry = ParamRegistry(self.param_groups, named_parameters)  # refuses duplicates
+        self._recipe = _Recipe(registry, options, tuning, gate_model, process_set, shard)
+        self._mode = mode
+        self._attach()
+        _OPTIMIZERS.add(self)
+
+    def _attach(self) -> None:
+        """Hooks, a reducer and its gradient channel on the current coordinator."""
+        registry, options, tuning, gate_model, process_set, shard = self._recipe
         coord = runtime.coordinator()
         opts = build_options(registry, tuning=tuning, gated=gate_model is not None, **options)
         if gate_model is not None:
@@ -75,7 +84,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
         if shard:
             self._reducer.shard_after_replan(self, self._base_class)
-        self._mode = mode
         self._should_synchronize = True
         self._synchronized = False
         self._gate: ForwardGate | None = None
@@ -89,6 +97,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._remove_hooks()
             raise
+
+    def _leave_world(self) -> None:
+        """The world is being re-formed (`hvd.elastic`): drop the hooks and the reducer,
+        whose channel dies with the old coordinator; the state stays."""
+        self._remove_hooks()
+        self._gate, self._traced = None, []
+
+    def _join_world(self) -> None:
+        """The re-formed world stands: a reducer on its coordinator, with a new gradient
+        channel, a plan for the new world size and its first round's layout guess."""
+        process_set = self._recipe.process_set
+        if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+            raise ValueError("a DistributedOptimizer over a process set does not carry "
+                             "across an elastic reset: its ranks changed")
+        self._attach()
 
     def _remove_hooks(self) -> None:
         for handle in self._traced:
@@ -308,6 +331,31 @@ def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer
+_OPTIMIZERS: weakref.WeakSet[_DistributedOptimizer] = weakref.WeakSet()
+
+
+class _Recipe(NamedTuple):
+    """What a `DistributedOptimizer` was made from, to make its reducer again after
+    an elastic reset."""
+
+    registry: ParamRegistry
+    options: dict[str, Any]
+    tuning: Tuning
+    gate_model: torch.nn.Module | None
+    process_set: Any
+    shard: bool
+
+
+def leave_world() -> None:
+    """Before an elastic reset: every live `DistributedOptimizer` drops its reducer."""
+    for optimizer in list(_OPTIMIZERS):
+        optimizer._leave_world()
+
+
+def join_world() -> None:
+    """After an elastic reset: every live `DistributedOptimizer` gets a new reducer."""
+    for optimizer in list(_OPTIMIZERS):
+        optimizer._join_world()
 
 
 def _lane_for(coord: Any, process_set: Any) -> Lane:

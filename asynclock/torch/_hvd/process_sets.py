@@ -107,6 +107,14 @@ def setup_at_init(process_sets_arg: Any) -> None:
         add_process_set(ps)
 
 
+def forget_process_sets() -> None:
+    """An elastic reset changed the world: every set but the global one is gone
+    (their ranks and channels belonged to the old world); add them again."""
+    for ident in [i for i in _by_id if i != 0]:
+        _by_id.pop(ident).invalidate()
+    global_process_set.ranks = list(range(runtime.coordinator().size))
+
+
 def api_of(process_set: ProcessSet | None) -> Any:
     """The collective API a call with `process_set=` runs on."""
     coord = runtime.coordinator()

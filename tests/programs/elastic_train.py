@@ -1,0 +1,242 @@
+"""Elastic training under `horovodrun --gloo --min-np N --max-np M`: a rank is SIGKILLed
+mid-epoch, the survivors go on from the last commit, a host the discovery script adds
+joins at the next commit, and rank 0 checks the end against a one-process reference.
+
+    elastic_train.py WORKDIR [--api hvd|async] [--kill-at STEP] [--add-host NAME]
+
+WORKDIR holds `hosts` (what the discovery script prints) and markers, so a rank that
+joins later neither dies again nor adds a host again. Each step every rank trains on
+its batch of the `ElasticSampler`'s shard; the committed state keeps, per step, every
+rank's sample indices (hence the world size), so after the job rank 0 checks that the
+epoch's samples were each used exactly once and replays the steps in one process:
+the final parameters must match (float64, rtol 1e-9: the allreduce sums 3 ranks in
+another order). Lines: `RANK r OK started pid=P`, `RANK r OK world size=N step=S
+at=T` on a world's first step, `RANK r OK died at=T` just before the SIGKILL,
+`RANK r OK done pid=P ...`, and rank 0's `RANK 0 OK checked ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import report
+
+import asynclock
+import asynclock.torch as hvd
+
+N_SAMPLES, FEATURES, BATCH, COMMIT_EVERY, STEP_PAUSE_S = 480, 8, 4, 3, 0.08
+LR, MOMENTUM = 0.05, 0.9
+RESETS: list[float] = []  # a reset callback notes each reset
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir", type=Path)
+    p.add_argument("--api", choices=("hvd", "async"), default="hvd")
+    p.add_argument("--kill-at", type=int, default=7, help="rank 2 dies in this step (0: never)")
+    p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
+    return p.parse_args()
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_SAMPLES, FEATURES, generator=g, dtype=torch.float64)
+    y = (x @ torch.linspace(-1, 1, FEATURES, dtype=torch.float64)).unsqueeze(1)
+    return x, y + 0.1 * torch.randn(N_SAMPLES, 1, generator=g, dtype=torch.float64)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(),
+                               torch.nn.Linear(4, 1)).double()
+
+
+def loss_of(model: torch.nn.Module, data: Any, batch: list[int]) -> torch.Tensor:
+    x, y = data
+    if not batch:  # a rank whose share of the epoch's tail is empty adds nothing
+        return sum(p.sum() for p in model.parameters()) * 0.0  # type: ignore[return-value]
+    idx = torch.tensor(batch)
+    return ((model(x[idx]) - y[idx]) ** 2).sum() / BATCH
+
+
+def next_batch(state: Any, rank: int) -> list[int]:
+    """This rank's batch of the step: the sampler's shard, from where the epoch is."""
+    done = state.step - state.epoch_start_step  # steps of this world so far
+    return list(state.sampler.indices[done * BATCH:(done + 1) * BATCH])
+
+
+def epoch_over(state: Any) -> bool:
+    return state.sampler.processed_num >= N_SAMPLES
+
+
+def maybe_die(args: argparse.Namespace, rank: int, size: int, step: int) -> None:
+    marker = args.workdir / "killed"
+    if rank == 2 and size == 3 and step == args.kill_at and not marker.exists():
+        marker.write_text("")
+        report(rank, "died", f"at={time.time():.6f}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_add_host(args: argparse.Namespace, rank: int, size: int) -> None:
+    marker = args.workdir / "added"
+    if args.add_host and rank == 0 and size == 2 and not marker.exists():
+        marker.write_text("")
+        with (args.workdir / "hosts").open("a") as hosts:
+            hosts.write(f"{args.add_host}:1\n")
+
+
+def world_started(state: Any) -> None:
+    """A new world: its steps take the sampler's fresh shard from the committed place."""
+    state.epoch_start_step = state.step
+    state.first_in_world = True
+
+
+def after_step(state: Any, rank: int, size: int, batches: list[list[int]]) -> None:
+    state.history.append(batches)
+    state.step += 1
+    state.sampler.record_batch(state.step, BATCH)
+    if state.first_in_world:
+        state.first_in_world = False
+        report(rank, "world", f"size={size} step={state.step} at={time.time():.6f}")
+
+
+# -- the drop-in API ---------------------------------------------------------------------
+def run_hvd(args: argparse.Namespace) -> Any:
+    hvd.init()
+    report(hvd.rank(), "started", f"pid={os.getpid()} at={time.time():.6f}")
+    data, model = dataset(), make_model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
+        named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(range(N_SAMPLES), shuffle=True, seed=3)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, step=0,
+                                   history=[], epoch_start_step=0, first_in_world=True)
+    state.register_reset_callbacks([lambda: RESETS.append(time.time())])
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        world_started(state)
+        while not epoch_over(state):
+            rank, size = hvd.rank(), hvd.size()
+            batch = next_batch(state, rank)
+            optimizer.zero_grad()
+            loss = loss_of(model, data, batch)
+            maybe_die(args, rank, size, state.step + 1)
+            loss.backward()
+            optimizer.step()
+            after_step(state, rank, size, hvd.allgather_object(batch))
+            time.sleep(STEP_PAUSE_S)
+            if state.step % COMMIT_EVERY == 0:
+                maybe_add_host(args, rank, size)
+                state.commit()
+
+    train(state)
+    return state, model
+
+
+# -- the async API -----------------------------------------------------------------------
+async def run_async(args: argparse.Namespace) -> Any:
+    import anyio
+
+    data, model = dataset(), make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ticks: list[float] = []
+    rank_size: list[tuple[int, int]] = []
+
+    async def side_task() -> None:  # lives through resets on the same loop
+        while True:
+            ticks.append(time.monotonic())
+            await anyio.sleep(0.05)
+
+    async def train(coord: asynclock.Coordinator, state: Any) -> None:
+        rank_size.append((coord.rank, coord.size))
+        world_started(state)
+        step = coord.train_step(optimizer)
+        while not epoch_over(state):
+            rank, size = coord.rank, coord.size
+            batch = next_batch(state, rank)
+            async with step:
+                loss = loss_of(model, data, batch)
+                maybe_die(args, rank, size, state.step + 1)
+                await step.backward(loss)
+            after_step(state, rank, size, await coord.allgather_object(batch))
+            await anyio.sleep(STEP_PAUSE_S)
+            if state.step % COMMIT_EVERY == 0:
+                maybe_add_host(args, rank, size)
+                await state.commit_async()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(side_task)
+        coord = await anyio.to_thread.run_sync(asynclock.init)
+        report(coord.rank, "started", f"pid={os.getpid()} at={time.time():.6f}")
+        sampler = hvd.elastic.ElasticSampler(range(N_SAMPLES), shuffle=True, seed=3)
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
+                                       step=0, history=[], epoch_start_step=0,
+                                       first_in_world=True)
+        state.register_reset_callbacks([lambda: RESETS.append(time.time())])
+        await asynclock.run_elastic(train, state)
+        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+        report(rank_size[-1][0], "side_task", f"ticks={len(ticks)} max_gap={max(gaps):.3f}")
+        tg.cancel_scope.cancel()
+    return state, model, rank_size[-1][0]
+
+
+# -- the check ---------------------------------------------------------------------------
+def reference(history: list[list[list[int]]]) -> torch.nn.Module:
+    """The same steps in one process: each step's gradient is the mean over that step's
+    ranks of each rank's gradient on its batch."""
+    data, model = dataset(), make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for batches in history:
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for batch in batches:
+            model.zero_grad()
+            loss_of(model, data, batch).backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g += p.grad / len(batches)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            p.grad = g
+        optimizer.step()
+    return model
+
+
+def check(rank: int, state: Any, model: torch.nn.Module) -> None:
+    used = [i for batches in state.history for batch in batches for i in batch]
+    assert sorted(used) == list(range(N_SAMPLES)), (
+        f"samples lost or seen twice: {len(used)} used, {len(set(used))} distinct")
+    ref = reference(state.history)
+    with torch.no_grad():
+        worst = max(float(((a - b).abs() / (b.abs() + 1e-12)).max())
+                    for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+               for a, b in zip(model.parameters(), ref.parameters(), strict=True)), worst
+    sizes = [len(b) for b in state.history]
+    report(rank, "checked", f"steps={len(sizes)} sizes={''.join(map(str, sizes))} "
+           f"worst_rel_diff={worst:.2e}")
+
+
+def main() -> None:
+    report(-1, "process", f"pid={os.getpid()} at={time.time():.6f}")
+    args = parse()
+    if args.api == "hvd":
+        state, model = run_hvd(args)
+        rank, size = hvd.rank(), hvd.size()
+    else:
+        import anyio
+
+        state, model, rank = anyio.run(run_async, args)
+        size = len(state.history[-1])
+    if rank == 0:
+        check(rank, state, model)
+    report(rank, "done", f"pid={os.getpid()} size={size} steps={state.step} resets={len(RESETS)}")
+    if args.api == "hvd":
+        hvd.shutdown()
+
+
+main()
