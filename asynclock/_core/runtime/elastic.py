@@ -37,6 +37,8 @@ import functools
 import logging
 import os
 import queue
+import signal
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -51,10 +53,12 @@ from ..engine.progress import ProgressPolicy
 from ..transports.horovod_elastic import REMOVED, listen_for_host_updates
 from . import coordinator as runtime
 from . import failure
+from .exits import EXIT_RANK_FAILED, hard_exit, write_stderr
 
 log = logging.getLogger("asynclock")
 T = TypeVar("T")
 NAME_POLL_S = 0.01  # how often a survivor looks for its watchdog's verdict
+REFORM_POLL_S = 0.1  # how often the main thread looks up from waiting for a new world
 HOSTS_CALL = "asynclock.elastic.hosts"  # the commit's broadcast of rank 0's host news
 
 Hook = Callable[[runtime.Coordinator], None]
@@ -132,17 +136,56 @@ def reform(lost: RankFailedError | None = None) -> runtime.Coordinator:
     for hook in _leaving:
         hook(old)
     policy: ProgressPolicy = old.engine.policy
+    rank = old.rank
     old.abandon(reason)
+    what = f" after {lost}" if lost is not None else ""
     try:
-        new = runtime.init(policy=policy)
+        new = _new_world(policy, lambda: _ended(rank, what))
     except Exception as exc:
-        what = f" after {lost}" if lost is not None else ""
         raise RankFailedError(f"the job could not re-form{what}: {exc}") from exc
     for hook in _joined:
         hook(new)
     if new.rank == 0:
         log.info("asynclock: the job re-formed with %d ranks", new.size)
     return new
+
+
+def _new_world(policy: ProgressPolicy, on_sigterm: Callable[[], None]) -> runtime.Coordinator:
+    """`runtime.init` for the world the driver forms now. On the main thread the wait
+    runs in a thread of its own: Horovod's init blocks in C, where no Python signal
+    handler runs, and the driver ends a job that cannot re-form with SIGTERM, which
+    must then say what happened (`on_sigterm`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return runtime.init(policy=policy)
+    made: list[runtime.Coordinator] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(runtime.init(policy=policy))
+        except BaseException as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=make, name="asynclock-reform", daemon=True)
+    previous = signal.signal(signal.SIGTERM, lambda _sig, _frame: on_sigterm())
+    try:
+        waiter.start()
+        while waiter.is_alive():
+            waiter.join(REFORM_POLL_S)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failed:
+        raise failed[0]
+    return made[0]
+
+
+def _ended(rank: int, what: str) -> None:
+    """SIGTERM while waiting for the new world: Horovod's driver gave up on it."""
+    write_stderr(f"asynclock[rank {rank}]: the job could not re-form{what}: it was ended "
+                 "while this rank waited for the new world (Horovod's elastic driver ends "
+                 "the job when fewer than --min-np ranks are left once --elastic-timeout "
+                 "has passed)\n")
+    hard_exit(EXIT_RANK_FAILED)
 
 
 # -- the state a job keeps across resets ----------------------------------------------------
@@ -194,16 +237,18 @@ class State:
 
     async def check_host_updates_async(self) -> None:
         """`check_host_updates()` on the event loop (the async API)."""
-        newest, what = self._last_note, 0
+        seen = newest = self._last_note
+        what = 0
         while not self._host_notes.empty():
             stamp, res = self._host_notes.get()
             if stamp > newest:
                 newest, what = stamp, what | res
-        # only rank 0 hears from the driver: its view decides on every rank at once
-        newest, what = await runtime.coordinator().broadcast_object(
-            (newest, what), root=0, name=HOSTS_CALL)
-        if newest > self._last_note:
-            self._last_note = newest
+        # Only rank 0 hears from the driver: its notes decide on every rank at once,
+        # a rank that joined later (which has seen no note at all) included.
+        seen, newest, what = await runtime.coordinator().broadcast_object(
+            (seen, newest, what), root=0, name=HOSTS_CALL)
+        self._last_note = newest
+        if newest > seen:
             raise HostsUpdatedInterrupt(skip_sync=what == REMOVED)
 
     def sync(self) -> None:

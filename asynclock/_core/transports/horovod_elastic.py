@@ -82,11 +82,14 @@ class GlooSockets:
 
     def end_connections(self) -> int:
         """After `hvd.shutdown()`: end the connections still open; how many."""
-        now, ended = _sockets(), 0
+        ended = 0
         for fd, what in self.opened.items():
-            if now.get(fd) != what:
+            try:
+                if f"socket:[{os.fstat(fd).st_ino}]" != what:
+                    continue  # closed, and the number reused
+                sock = socket.socket(fileno=fd)
+            except OSError:  # closed meanwhile (gloo's own thread may close it)
                 continue
-            sock = socket.socket(fileno=fd)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
                 ended += 1

@@ -255,7 +255,9 @@ def train_step(coord: Coordinator, optimizer: torch.optim.Optimizer,
 
 def close_steps_of(coord: Coordinator) -> None:
     """An elastic reset abandons `coord`: its train steps drop their hooks (the
-    next `coord.train_step(optimizer)` on the new world makes a new step)."""
-    for _optimizer, (owner, step, _options) in list(_cache.items()):
+    next `coord.train_step(optimizer)` on the new world makes a new step) and the
+    gradients of the step it interrupted, which the next step would add to."""
+    for optimizer, (owner, step, _options) in list(_cache.items()):
         if owner is coord and not step.closed:
             step.close()
+            optimizer.zero_grad(set_to_none=True)

@@ -103,6 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         whose channel dies with the old coordinator; the state stays."""
         self._remove_hooks()
         self._gate, self._traced = None, []
+        self._base_class.zero_grad(self, True)  # the interrupted step's, into the new buckets
 
     def _join_world(self) -> None:
         """The re-formed world stands: a reducer on its coordinator, with a new gradient
