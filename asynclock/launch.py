@@ -3,6 +3,7 @@
     python -m asynclock.launch -n 2 train.py --epochs 3
     asynclock-launch -n 4 --runner horovodrun --gloo train.py
     asynclock-launch -n 2 --timeline /tmp/run/tl --timeout 600 train.py
+    asynclock-launch --elastic --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh train.py
 
 Why a launcher of our own: the two MPIs on a machine must never be mixed
 (mpi/mpi_select.py hands out launcher and environment together); Horovod,
@@ -95,6 +96,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--mpi", choices=("auto", "embedded", "system"), default=None,
         help="which MPI (mpi/mpi_select.py); default: auto or $ASYNCLOCK_MPI")
     add("--gloo", action="store_true", help="horovodrun with its Gloo controller")
+    add("--elastic", action="store_true",
+        help="an elastic job: horovodrun --gloo with --min-np/--max-np; ranks that die or "
+             "are cut off leave the job, hosts the discovery script adds join it")
+    add("--min-np", type=int, default=None, help="elastic: the fewest ranks the job runs on")
+    add("--max-np", type=int, default=None, help="elastic: the most ranks the job runs on")
+    add("--host-discovery-script", metavar="SCRIPT",
+        help="elastic: prints 'host:slots' lines, run every second by horovodrun")
     add("-H", "--hosts", help="host:slots,host:slots")
     add("--hostfile", help="'host slots=N' or 'host:N' lines; converted for the runner")
     add("--timeout", type=float, default=None, help="kill the whole job after S seconds")
@@ -115,6 +123,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.program = args.program[1:]
     if not args.program and not args.module:
         p.error("give a program: asynclock-launch -n 2 train.py [args...]")
+    elastic_only = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
+                    ("--host-discovery-script", args.host_discovery_script)) if value is not None]
+    if elastic_only and not args.elastic:
+        p.error(f"{', '.join(elastic_only)}: only with --elastic")
+    if args.elastic and args.min_np is None:
+        p.error("--elastic needs --min-np (the fewest ranks the job may run on)")
     return args
 
 
@@ -122,7 +136,7 @@ def choose_runner(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """Explicit --runner wins; --gloo means horovodrun; under Slurm, srun."""
     if args.runner != "auto":
         return str(args.runner)
-    if args.gloo:
+    if args.gloo or args.elastic:
         return "horovodrun"
     if environ.get("SLURM_JOB_ID") and shutil.which("srun", path=environ.get("PATH")):
         return "srun"
@@ -232,16 +246,29 @@ def _is_open_mpi(exe: str, env: Mapping[str, str]) -> bool:
 def _horovodrun_plan(args: argparse.Namespace, n: int) -> Plan:
     """horovodrun: its MPI controller needs Open MPI's mpirun on PATH; --gloo needs none."""
     sel = load_mpi_select()
-    use_mpi = not args.gloo and sel is not None and bool(sel.available().get("system"))
+    gloo = args.gloo or args.elastic  # Horovod's elastic driver runs Gloo only
+    use_mpi = not gloo and sel is not None and bool(sel.available().get("system"))
     env = sel.environ_for("system" if use_mpi else args.mpi or "auto") if sel else dict(os.environ)
     _apply_user_env(args, env)
     exe = Path(sys.executable).with_name("horovodrun")
     runner = str(exe) if exe.exists() else shutil.which("horovodrun", path=env.get("PATH"))
     plan = Plan("horovodrun", [], env, strip_tags=not args.no_prefix)
     argv = [runner or "horovodrun", "-np", str(n), "--mpi" if use_mpi else "--gloo"]
-    plan.argv = argv + _host_args(args, "horovodrun", plan) + args.launcher_arg + program_argv(
-        args)
+    plan.argv = (argv + _elastic_args(args) + _host_args(args, "horovodrun", plan)
+                 + args.launcher_arg + program_argv(args))
     return plan
+
+
+def _elastic_args(args: argparse.Namespace) -> list[str]:
+    """horovodrun's elastic flags (its driver then re-forms the world: `hvd.elastic`)."""
+    if not args.elastic:
+        return []
+    flags = ["--min-np", str(args.min_np)]
+    if args.max_np is not None:
+        flags += ["--max-np", str(args.max_np)]
+    if args.host_discovery_script:
+        flags += ["--host-discovery-script", os.path.abspath(args.host_discovery_script)]
+    return flags
 
 
 def _names_srun_plugin(launcher_args: Sequence[str]) -> bool:
@@ -271,7 +298,8 @@ def build_plan(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
     if args.timeline:  # via -x, so Open MPI forwards it to remote ranks too
         args.env = [*args.env, f"ASYNCLOCK_TIMELINE={os.path.abspath(args.timeline)}"]
     runner = choose_runner(args, environ)
-    n = args.nranks if args.nranks is not None else int(environ.get("SLURM_NTASKS", "1"))
+    n = args.nranks if args.nranks is not None else (
+        args.min_np if args.elastic else int(environ.get("SLURM_NTASKS", "1")))
     if runner == "srun":
         plan = _srun_plan(args, args.nranks)
     elif runner == "horovodrun":

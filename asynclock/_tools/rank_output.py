@@ -205,12 +205,15 @@ def describe_failure(status: int) -> tuple[str, int] | None:
 
 
 def _announce_failure(rank: int, status: int, tag: bytes) -> None:
-    """The line asynclock-launch acts on when the runner does not end the job."""
+    """The line asynclock-launch acts on when the runner does not end the job. In an
+    elastic job (Horovod's elastic driver sets HOROVOD_ELASTIC) the others go on
+    without this rank, so the line says that and nobody acts on it."""
     failure = describe_failure(status)
     if failure is not None:
         what, code = failure
-        _write_all(2, tag + f"asynclock[rank {rank}]: the program {what}; "
-                   f"stopping the job (exit {code})\n".encode())
+        ending = ("the elastic job goes on without it" if os.environ.get("HOROVOD_ELASTIC") == "1"
+                  else f"stopping the job (exit {code})")
+        _write_all(2, tag + f"asynclock[rank {rank}]: the program {what}; {ending}\n".encode())
 
 
 def _end_like(status: int) -> NoReturn:

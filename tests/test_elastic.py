@@ -1,0 +1,231 @@
+"""Elastic jobs: a rank SIGKILLed mid-epoch leaves, the survivors go on from the last
+commit in the same processes, a host the discovery script adds joins at the next commit,
+and below --min-np the job ends naming what was lost.
+
+The jobs run under `python -m asynclock.launch --elastic` (Horovod's elastic driver,
+`horovodrun --gloo --min-np --max-np --host-discovery-script`) on one machine: each
+"host" is another name of this machine (`127.0.0.1`, `127.1`, ...: horovodrun starts
+ranks on a name that resolves to a local address without ssh), one slot each, since the
+driver blacklists the host of a rank that failed. The program is
+tests/programs/elastic_train.py; rank 0 checks the samples and the parameters against a
+one-process replay of the committed steps (float64, rtol 1e-9) and prints `checked`.
+
+The pure parts (the sampler's shards, the state's commits and host checks, the
+launcher's command line) are tested in-process on a one-rank coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpijob import PROGRAMS, ROOT, Job, horovodrun_missing
+
+import asynclock
+from asynclock import launch
+from asynclock._core.runtime import elastic as core_elastic
+from asynclock._core.transports.horovod_elastic import ADDED, REMOVED
+
+HOSTS = ("localhost", "127.0.0.1", "127.1")  # names of this machine, one slot each
+ADDED_HOST = "127.0.1"
+RECOVERY_LIMIT_S = 20.0  # gloo's own timeout (30 s) would show as a longer recovery
+_AT = re.compile(r"RANK (\d+) OK (\w+) (?:pid=(\d+) )?.*?at=([\d.]+)")
+
+
+def elastic_job(tmp_path: Path, *args: str, min_np: int = 2, max_np: int = 3,
+                elastic_timeout: int | None = None, timeout: float = 300) -> tuple[Job, float]:
+    """The program on 3 ranks under `asynclock.launch --elastic`; (job, seconds)."""
+    if why := horovodrun_missing(gloo=True):
+        pytest.skip(why)
+    (tmp_path / "hosts").write_text("".join(f"{h}:1\n" for h in HOSTS))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    script.chmod(0o755)
+    extra = ["--launcher-arg=--network-interface", "--launcher-arg=lo"]
+    if elastic_timeout is not None:
+        extra += ["--launcher-arg=--elastic-timeout", f"--launcher-arg={elastic_timeout}"]
+    cmd = [sys.executable, "-m", "asynclock.launch", "--elastic", "-n", "3",
+           "--min-np", str(min_np), "--max-np", str(max_np),
+           "--host-discovery-script", str(script), *extra, "--timeout", str(timeout),
+           str(PROGRAMS / "elastic_train.py"), str(tmp_path), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT,
+                          env=env)
+    return Job(done.returncode, done.stdout + done.stderr, cmd), time.monotonic() - t0
+
+
+def events(job: Job, label: str) -> list[tuple[int, int | None, float, str]]:
+    """(rank, pid, time, line) of each `RANK r OK label ... at=T` line."""
+    found = []
+    for line in job.output.splitlines():
+        m = _AT.search(line)
+        if m and m[2] == label:
+            found.append((int(m[1]), int(m[3]) if m[3] else None, float(m[4]), line))
+    return found
+
+
+def pids(job: Job, label: str) -> dict[int, set[int]]:
+    """rank -> the pids that printed `RANK rank OK label pid=P`."""
+    out: dict[int, set[int]] = {}
+    for m in re.finditer(rf"RANK (\d+) OK {label} pid=(\d+)", job.output):
+        out.setdefault(int(m[1]), set()).add(int(m[2]))
+    return out
+
+
+def recovery_s(job: Job) -> float:
+    """From the SIGKILL to the first step of the 2-rank world (each survivor's, the later)."""
+    died = events(job, "died")
+    assert len(died) == 1, job.explain()
+    firsts = [t for _r, _p, t, line in events(job, "world") if "size=2 " in line]
+    assert len(firsts) == 2, job.explain()
+    return max(firsts) - died[0][2]
+
+
+def check_kill_and_rejoin(job: Job) -> None:
+    assert job.returncode == 0, job.explain()
+    checked = [line for line in job.output.splitlines() if "RANK 0 OK checked" in line]
+    assert checked and re.search(r"sizes=3+2+3+ ", checked[0]), job.explain()
+    started, done = pids(job, "started"), pids(job, "done")
+    # the survivors finish in the processes they started in; the newcomer is a new one
+    assert started[0] | started[1] <= done[0] | done[1] | done[2], job.explain()
+    assert len(done[0] | done[1] | done[2]) == 3 and sum(map(len, started.values())) == 4, \
+        job.explain()
+    for rank in (0, 1):
+        assert f"asynclock[rank {rank}]: rank 2 left the job: its connection closed" in \
+            job.output, job.explain()
+    assert re.search(r"RANK 2 OK done pid=\d+ size=3", job.output), job.explain()
+    assert recovery_s(job) < RECOVERY_LIMIT_S, job.explain()
+
+
+@pytest.mark.horovod
+def test_a_killed_rank_leaves_and_an_added_host_joins(tmp_path: Path) -> None:
+    """`hvd.elastic.run`, `TorchState`, `ElasticSampler`, `DistributedOptimizer`: rank 2
+    is SIGKILLed mid-step 7, ranks 0 and 1 go on from the commit of step 6 at 2 ranks,
+    a host added to the discovery output joins at the next commit, and the job ends at
+    3 ranks: every sample of the epoch used once, the parameters those of the replay."""
+    job, _ = elastic_job(tmp_path, "--api", "hvd", "--add-host", ADDED_HOST)
+    check_kill_and_rejoin(job)
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_the_async_api_survives_a_reset_with_its_loop_and_side_tasks(tmp_path: Path) -> None:
+    """`asynclock.run_elastic` with `coord.train_step`: the same, and a side task on the
+    same loop keeps ticking through both resets (the new world is made in a thread)."""
+    job, _ = elastic_job(tmp_path, "--api", "async", "--add-host", ADDED_HOST)
+    check_kill_and_rejoin(job)
+    gaps = {int(m[1]): float(m[2]) for m in re.finditer(
+        r"RANK (\d+) OK side_task ticks=\d+ max_gap=([\d.]+)", job.output)}
+    assert set(gaps) == {0, 1, 2} and max(gaps[0], gaps[1]) < 3.0, job.explain()
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_below_min_np_the_job_ends_naming_the_lost_rank(tmp_path: Path) -> None:
+    """--min-np 3: after rank 2 dies the driver cannot re-form the job; it ends, and each
+    survivor says why, naming the rank that was lost."""
+    job, elapsed = elastic_job(tmp_path, min_np=3, elastic_timeout=5, timeout=150)
+    assert job.returncode not in (0, 124), job.explain()
+    for rank in (0, 1):
+        assert (f"asynclock[rank {rank}]: the job could not re-form after rank 2 left the job"
+                in job.output), job.explain()
+    assert elapsed < 150, job.explain()
+
+
+# -- in-process: one rank --------------------------------------------------------------
+@pytest.fixture
+def one_rank() -> object:
+    coord = asynclock.init("local")
+    yield coord
+    asynclock.shutdown()
+
+
+def test_sampler_shards_what_is_left_without_repeating(one_rank: object) -> None:
+    import asynclock.torch as hvd
+
+    sampler = hvd.elastic.ElasticSampler(range(10), shuffle=True, seed=3)
+    order = sampler.epoch_order()
+    assert sorted(order) == list(range(10)) and list(sampler) == order
+    sampler.record_batch(0, 3)
+    sampler.load_state_dict(sampler.state_dict())
+    assert list(sampler) == order[3:] and len(sampler) == 7
+    sampler.set_epoch(1)
+    assert sampler.processed_num == 0 and sorted(sampler) == list(range(10))
+    assert list(sampler) != order  # another epoch, another order
+
+
+def test_object_state_commits_deep_copies(one_rank: object) -> None:
+    state = asynclock.ObjectState(seen=[1], step=0)
+    state.seen.append(2)
+    state.step = 5
+    state.restore()
+    assert state.seen == [1] and state.step == 0
+    state.seen.append(3)
+    state.commit()
+    state.seen.append(4)
+    state.restore()
+    assert state.seen == [1, 3]
+
+
+def test_host_notes_interrupt_at_the_next_commit_once(one_rank: object) -> None:
+    state = asynclock.ObjectState(step=0)
+    state.commit()
+    state.on_hosts_updated(100.0, ADDED)
+    with pytest.raises(asynclock.HostsUpdatedInterrupt) as added:
+        state.commit()
+    assert not added.value.skip_sync
+    state.commit()  # that note is spent
+    state.on_hosts_updated(101.0, REMOVED)
+    state.on_hosts_updated(99.0, ADDED)  # older than what was seen: no news
+    with pytest.raises(asynclock.HostsUpdatedInterrupt) as removed:
+        state.commit()
+    assert removed.value.skip_sync
+
+
+def test_only_a_lost_world_re_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLOCK_ON_ERROR", "reform")
+    lost = asynclock.RankFailedError("rank 2 left the job")
+    assert core_elastic.lost_world(lost) is lost
+    try:
+        try:
+            raise asynclock.BackendError("allgather round 3: rank(s) [2] closed")
+        except asynclock.BackendError as cause:
+            raise RuntimeError("a bucket failed") from cause
+    except RuntimeError as wrapped:
+        assert isinstance(core_elastic.lost_world(wrapped), asynclock.RankFailedError)
+    assert core_elastic.lost_world(asynclock.MismatchError("shapes differ")) is None
+    assert core_elastic.lost_world(ValueError("a bug")) is None
+    monkeypatch.setenv("ASYNCLOCK_ON_ERROR", "abort")
+    assert core_elastic.lost_world(lost) is None
+
+
+def test_the_policy_is_reform_under_the_elastic_launcher(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from asynclock._core.runtime import failure
+
+    monkeypatch.delenv("ASYNCLOCK_ON_ERROR", raising=False)
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert failure.policy() == "reform"
+    monkeypatch.delenv("HOROVOD_ELASTIC")
+    assert failure.policy() == "abort"
+
+
+def test_launch_elastic_command_line(tmp_path: Path) -> None:
+    script = tmp_path / "hosts.sh"
+    args = launch.parse_args(["--elastic", "--min-np", "2", "--max-np", "4",
+                              "--host-discovery-script", str(script), "train.py"])
+    plan = launch.build_plan(args, {"PATH": os.environ.get("PATH", "")})
+    argv = plan.argv
+    assert plan.runner == "horovodrun" and "--gloo" in argv
+    assert argv[argv.index("-np") + 1] == "2"  # starts on --min-np, grows to --max-np
+    assert argv[argv.index("--min-np") + 1] == "2" and argv[argv.index("--max-np") + 1] == "4"
+    assert argv[argv.index("--host-discovery-script") + 1] == str(script)
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--min-np", "2", "train.py"])
