@@ -91,7 +91,8 @@ def recovery_s(job: Job) -> float:
 def check_kill_and_rejoin(job: Job) -> None:
     assert job.returncode == 0, job.explain()
     checked = [line for line in job.output.splitlines() if "RANK 0 OK checked" in line]
-    assert checked and re.search(r"sizes=3+2+3+ ", checked[0]), job.explain()
+    # step 7 ran at 3 ranks but was not committed: the survivors did it again at 2
+    assert checked and re.search(r"sizes=3{6}2+3+ ", checked[0]), job.explain()
     started, done = pids(job, "started"), pids(job, "done")
     # the survivors finish in the processes they started in; the newcomer is a new one
     assert started[0] | started[1] <= done[0] | done[1] | done[2], job.explain()
@@ -107,7 +108,7 @@ def check_kill_and_rejoin(job: Job) -> None:
 @pytest.mark.horovod
 def test_a_killed_rank_leaves_and_an_added_host_joins(tmp_path: Path) -> None:
     """`hvd.elastic.run`, `TorchState`, `ElasticSampler`, `DistributedOptimizer`: rank 2
-    is SIGKILLed mid-step 7, ranks 0 and 1 go on from the commit of step 6 at 2 ranks,
+    is SIGKILLed in step 8, ranks 0 and 1 go on from the commit of step 6 at 2 ranks,
     a host added to the discovery output joins at the next commit, and the job ends at
     3 ranks: every sample of the epoch used once, the parameters those of the replay."""
     job, _ = elastic_job(tmp_path, "--api", "hvd", "--add-host", ADDED_HOST)

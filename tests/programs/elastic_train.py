@@ -39,7 +39,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("workdir", type=Path)
     p.add_argument("--api", choices=("hvd", "async"), default="hvd")
-    p.add_argument("--kill-at", type=int, default=7, help="rank 2 dies in this step (0: never)")
+    p.add_argument("--kill-at", type=int, default=8,
+                   help="rank 2 dies in this step, one past an uncommitted step (0: never)")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
     return p.parse_args()
 
