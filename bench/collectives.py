@@ -231,14 +231,16 @@ async def main() -> None:
                          for k, v in medians.items()]
         idle = {} if args.skip_idle else await idle_cpu(coord)
         bulk = getattr(coord.backend, "bulk_choice", "")
+        windows = getattr(coord.backend, "window_calls", lambda: 0)()
         systems.close()
     if WORLD.rank == 0:
         print(f"# {WORLD.size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
-              f"{platform.node()}; asynclock bulk allreduces: {bulk or 'n/a'}")
+              f"{platform.node()}; asynclock bulk allreduces: {bulk or 'n/a'}; "
+              f"{windows} through the node window")
         print(render(rows, idle))
         if args.json:
             meta = {"mpi": MPI.Get_library_version().splitlines()[0].strip(), "ranks": WORLD.size,
-                    "link": args.link, "bulk": bulk}
+                    "link": args.link, "bulk": bulk, "window_calls": windows}
             with open(args.json, "w") as fh:
                 json.dump({"meta": meta, "rows": rows, "idle_cpu_fraction": idle}, fh, indent=1)
 

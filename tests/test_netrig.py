@@ -220,19 +220,24 @@ def test_two_hosts_lock_train_brief_cut_then_cut(rig: netrig_rig.Rig, kind: str,
 def test_two_hosts_two_ranks_each_train_alike(rig: netrig_rig.Rig, kind: str) -> None:
     """2 hosts x 2 ranks, the Horovod-style optimizer with the shared window asked for:
     20 steps identical on every rank, gated updates bit-identical, the global batch's
-    gradients for every bucket cap. The window spans one node only, so across hosts
-    the buckets travel as MPI allreduces."""
+    gradients for every bucket cap. The gradient pipeline's window spans one node only,
+    so across hosts the buckets travel as data stages; the test's tiny buckets take the
+    node window there (thresholds lowered): reduced on each host, then one slice per
+    local rank across the hosts. Not under MPICH: the rig runs it with
+    MPIR_CVAR_NOLOCAL=1, so its ranks see no node-mates and the buckets go over MPI."""
     fresh(rig, 2, kind)
     argv = [sys.executable, str(PROGRAMS / "torch_grads.py")]
-    job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"},
-                    per_host=2)
+    job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1",
+                                    "ASYNCLOCK_THREAD_MIN_BYTES": "64",
+                                    "ASYNCLOCK_WINDOW_MIN_BYTES": "64"}, per_host=2)
     try:
         job.finish(240)
     finally:
         stop(job)
     assert job.returncode == 0, job.explain()
+    window = ("node_window",) if netrig_rig.mpi_vendor(kind) == "openmpi" else ()
     for label in ("done", "identical_20_steps", "transport_allreduce", "gated_bit_identical",
-                  "caps_default", "sparse_gradients"):
+                  "caps_default", "sparse_gradients", *window):
         assert job.ok_ranks(label) == set(range(4)), f"{label}\n" + job.explain()
     assert rig.rx_bytes("nr2") > 0, "nothing crossed the link"
 

@@ -464,8 +464,19 @@ def main() -> None:
     if hvd.size() > 1:
         check_hook_order_differs()
         check_mismatches()
+    report_node_window()
     report(hvd.rank(), "done")
     hvd.shutdown()
+
+
+def report_node_window() -> None:
+    """Say whether buckets went through the node window (across hosts, with several
+    ranks on each, buckets from ASYNCLOCK_WINDOW_MIN_BYTES on take it)."""
+    from asynclock._core.runtime import coordinator as runtime
+
+    calls = getattr(runtime.coordinator().backend, "window_calls", lambda: 0)()
+    if calls:
+        report(hvd.rank(), "node_window", f"{calls} allreduces")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minim
 Array = np.ndarray[Any, Any]
 
 
+def ufunc(op: ReduceOp) -> np.ufunc:
+    """numpy's element-wise form of `op` (an average sums; the caller divides)."""
+    return _UFUNC[op]
+
+
 _TORCH_MIN = 4096  # below this numpy's casts are cheaper than crossing into torch
 
 

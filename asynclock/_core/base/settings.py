@@ -59,6 +59,12 @@ DECLARED: tuple[Setting, ...] = (
        agree=True, choices=("auto", "mpi", "gloo", "measure")),
     _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
        "take.", agree=True),
+    _s("WINDOW", "flag", "1", "Large allreduces through the node's shared-memory window "
+       "where every node holds the same number of ranks, more than one: reduced there, "
+       "then across nodes over MPI, one slice per local rank (0: MPI's own allreduce).",
+       agree=True),
+    _s("WINDOW_MIN_BYTES", "number", "1048576", "Smallest allreduce the node window takes "
+       "(none below `ASYNCLOCK_THREAD_MIN_BYTES`: it runs in the wait thread).", agree=True),
     _s("SHM", "flag", "1", "Gradient buckets through the node's shared-memory window when "
        "every rank is on one node.", agree=True),
     _s("SYNC_LEASE", "flag", "1", "Locks may stay cached at the rank that used them last "

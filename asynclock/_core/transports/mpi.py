@@ -7,11 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from ..base import settings
 from ..base.header import COMPACT_BYTES, combine
 from ..base.ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
 from .heartbeat import MPIHeartbeats
+from .node_window import NodeWindow
 from .ring import ring_allreduce_half
 
 
@@ -162,6 +164,7 @@ class MPIChannel:
 
     def close(self) -> None:
         """Free every communicator; only called once nothing is in flight."""
+        self._bulk_view.close()
         for comm in (self.hdr, self.rows, self.data, self.p2p, self.bulk):
             if comm != _mpi().COMM_NULL:
                 comm.Free()
@@ -227,6 +230,10 @@ class MPIBackend:
         """Bulk allreduces that went through gloo so far (all channels)."""
         return sum(ch.bulk_view().gloo_calls() for ch in self._channels)
 
+    def window_calls(self) -> int:
+        """Bulk allreduces that went through a node window so far (all channels)."""
+        return sum(ch.bulk_view().window_calls() for ch in self._channels)
+
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"
@@ -242,23 +249,46 @@ class MPIBackend:
 
 class BulkChannel:
     """Blocking collectives on the channel's `bulk` communicator, deferred to the
-    engine's wait thread (see `Deferred` for why bulk data goes blocking; and
-    `gloo_bulk` for why allreduces across hosts may go through gloo)."""
+    engine's wait thread (see `Deferred` for why bulk data goes blocking;
+    `node_window` for why large allreduces go through the node's shared memory
+    where a node holds several ranks; and `gloo_bulk` for why allreduces across
+    hosts may go through gloo)."""
 
     def __init__(self, chan: MPIChannel, gloo: GlooGroup | None) -> None:
         self.name, self.rank, self.size = chan.name, chan.rank, chan.size
         self._c = chan.bulk
         self.gloo = gloo
+        self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
+                                 _mpi_op) if settings.flag("ASYNCLOCK_WINDOW") else None
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
 
+    def window_calls(self) -> int:
+        return self.window.calls if self.window is not None else 0
+
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        window = self.window
+        if window is not None and window.takes(recv):
+            return Deferred(lambda: self._through_window(window, send, recv, op))
+        return Deferred(lambda: self._allreduce(send, recv, op))
+
+    def _through_window(self, window: NodeWindow, send: Array | None, recv: Array,
+                        op: ReduceOp) -> None:
+        if not window.allreduce(send, recv, op):  # no node here holds several ranks
+            self._allreduce(send, recv, op)
+
+    def _allreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> None:
+        """Over gloo where it measured faster across hosts, else MPI (wait thread)."""
         gloo = self.gloo
         if gloo is not None and gloo.handles(recv, op):
-            return Deferred(lambda: gloo.allreduce(recv, op, send))
-        src = _in_place(send, recv)
-        return Deferred(lambda: self._c.Allreduce(src, recv, _mpi_op(op)))
+            gloo.allreduce(recv, op, send)
+        else:
+            self._c.Allreduce(_in_place(send, recv), recv, _mpi_op(op))
+
+    def close(self) -> None:
+        if self.window is not None:
+            self.window.close()
 
     half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
 

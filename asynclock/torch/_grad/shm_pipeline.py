@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
+from ..._core.base import futex
 from ..._core.base.errors import BackendError
 from ..._core.base.from_thread import name_os_thread
 from ..._core.engine.progress import InflightOp
-from . import futex
 from .buckets import Bucket, Plan
 from .shard import Shards
 from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
@@ -150,9 +150,8 @@ class ShmPipeline:
 
     def ring(self, q: int, kind: str = "peer") -> None:
         """Change q's bell to a value nobody wrote before, then wake it."""
-        count, writer = next(self._rings[kind]), self._writers[kind]
-        self.arena.bells[q][0] = ((writer & 0x7F) << 24) | (count & 0xFFFFFF)
-        futex.wake(self.arena.bell_addresses[q])
+        futex.ring(self.arena.bells[q], self.arena.bell_addresses[q], self._writers[kind],
+                   next(self._rings[kind]))
 
     def statistics(self) -> PipelineStatistics:
         return PipelineStatistics(self._finished, self._sleeps,

@@ -1,6 +1,7 @@
 """Sleep on a word of shared memory until another process changes it.
 
-The shared-memory gradient pipeline (`shm_pipeline`) waits for other ranks'
+The shared-memory gradient pipeline (`torch._grad.shm_pipeline`) and the
+node window's allreduces (`transports.node_window`) wait for other ranks'
 progress counters. Polling them costs a wake-up (and, on a busy core, a
 cold cache) every few hundred microseconds; a Linux futex on a word in the
 shared window costs nothing while it waits and wakes as soon as a peer
@@ -17,6 +18,7 @@ import ctypes.util
 import platform
 import sys
 import time
+from typing import Any
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYSCALL_NUMBERS = {"x86_64": 202, "aarch64": 98, "ppc64le": 221}
@@ -63,3 +65,13 @@ def wake(address: int) -> None:
     libc, number = _LIBC
     libc.syscall(number, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1),
                  None, None, 0)
+
+
+def ring(word: Any, address: int, writer: int, count: int) -> None:
+    """Write a value nobody wrote before into the bell `word` (a one-element uint32
+    array at `address`), then wake its sleepers. Several ranks may ring one bell at
+    once and a plain store is no atomic increment, so each value carries its writer
+    (7 bits) and that writer's count (24 bits): whichever store lands last, the bell
+    differs from what a sleeper read before it went to sleep."""
+    word[0] = ((writer & 0x7F) << 24) | (count & 0xFFFFFF)
+    wake(address)
