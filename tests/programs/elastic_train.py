@@ -2,7 +2,7 @@
 mid-epoch, the survivors go on from the last commit, a host the discovery script adds
 joins at the next commit, and rank 0 checks the end against a one-process reference.
 
-    elastic_train.py WORKDIR [--api hvd|async] [--kill-at STEP] [--add-host NAME]
+    elastic_train.py WORKDIR [--api hvd|async|horovod] [--kill-at STEP] [--add-host NAME]
 
 WORKDIR holds `hosts` (what the discovery script prints) and markers, so a rank that
 joins later neither dies again nor adds a host again. Each step every rank trains on
@@ -13,13 +13,19 @@ the final parameters must match (float64, rtol 1e-9: the allreduce sums 3 ranks 
 another order). Lines: `RANK r OK started pid=P`, `RANK r OK world size=N step=S
 at=T` on a world's first step, `RANK r OK died at=T` just before the SIGKILL,
 `RANK r OK done pid=P ...`, and rank 0's `RANK 0 OK checked ...`.
+
+`--api horovod` runs the drop-in's code on real Horovod (`horovod.torch`), for
+bench/elastic.py's recovery times; its sampler repeats samples to even out the shards,
+so there is no check.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,10 @@ import torch
 from _common import report
 
 import asynclock
-import asynclock.torch as hvd
+
+# the drop-in, or Horovod itself with --api horovod
+hvd: Any = importlib.import_module("horovod.torch" if "horovod" in sys.argv else
+                                   "asynclock.torch")
 
 N_SAMPLES, FEATURES, BATCH, COMMIT_EVERY, STEP_PAUSE_S = 480, 8, 4, 3, 0.08
 LR, MOMENTUM = 0.05, 0.9
@@ -38,7 +47,7 @@ RESETS: list[float] = []  # a reset callback notes each reset
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("workdir", type=Path)
-    p.add_argument("--api", choices=("hvd", "async"), default="hvd")
+    p.add_argument("--api", choices=("hvd", "async", "horovod"), default="hvd")
     p.add_argument("--kill-at", type=int, default=8,
                    help="rank 2 dies in this step, one past an uncommitted step (0: never)")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
@@ -225,7 +234,7 @@ def check(rank: int, state: Any, model: torch.nn.Module) -> None:
 def main() -> None:
     report(-1, "process", f"pid={os.getpid()} at={time.time():.6f}")
     args = parse()
-    if args.api == "hvd":
+    if args.api in ("hvd", "horovod"):
         state, model = run_hvd(args)
         rank, size = hvd.rank(), hvd.size()
     else:
@@ -233,10 +242,10 @@ def main() -> None:
 
         state, model, rank = anyio.run(run_async, args)
         size = len(state.history[-1])
-    if rank == 0:
+    if rank == 0 and args.api != "horovod":
         check(rank, state, model)
     report(rank, "done", f"pid={os.getpid()} size={size} steps={state.step} resets={len(RESETS)}")
-    if args.api == "hvd":
+    if args.api != "async":
         hvd.shutdown()
 
 
