@@ -230,3 +230,20 @@ def test_launch_elastic_command_line(tmp_path: Path) -> None:
     assert argv[argv.index("--host-discovery-script") + 1] == str(script)
     with pytest.raises(SystemExit):
         launch.parse_args(["--min-np", "2", "train.py"])
+
+
+def test_slurm_recipe_parses_and_lists_usable_nodes(tmp_path: Path) -> None:
+    """launch/slurm_elastic.sbatch and its discovery script parse; the script keeps the
+    nodes Slurm reports usable, once each, with the task count per node (a stand-in
+    `sinfo` prints states as Slurm's does: `*` for not responding)."""
+    for script in ("slurm_elastic.sbatch", "slurm_hosts.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], check=True, timeout=30)
+    sinfo = tmp_path / "sinfo"
+    sinfo.write_text("#!/bin/sh\nprintf 'n1 alloc\\nn2 down*\\nn3 mix\\nn3 mix\\nn4 drain\\n"
+                     "n5 idle*\\nn6 idle\\n'\n")
+    sinfo.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+           "SLURM_JOB_NODELIST": "n[1-6]", "SLURM_NTASKS_PER_NODE": "2(x6)"}
+    listed = subprocess.run(["bash", str(ROOT / "launch" / "slurm_hosts.sh")], env=env,
+                            capture_output=True, text=True, timeout=30, check=True).stdout
+    assert listed.split() == ["n1:2", "n3:2", "n6:2"]

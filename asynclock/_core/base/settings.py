@@ -144,6 +144,10 @@ DECLARED: tuple[Setting, ...] = (
        "package lists.", scope=LAUNCH),
     _s("TIMEOUT_S", "number", "3300", "Time limit of the Slurm recipe's job "
        "(launch/slurm.sbatch).", scope=LAUNCH),
+    _s("MIN_NP", "number", "", "The elastic Slurm recipe's --min-np (launch/slurm_elastic."
+       "sbatch; unset: half the allocation's tasks).", scope=LAUNCH),
+    _s("MAX_REQUEUES", "number", "3", "How often the elastic Slurm recipe requeues a job "
+       "that ended below --min-np.", scope=LAUNCH),
     # -- the test suite and the benchmarks ----------------------------------------------------
     _s("TEST_MPI", "text", "auto", "The MPI the test suite starts its jobs with.", scope=TESTS,
        choices=("auto", "embedded", "system")),
