@@ -444,31 +444,63 @@ def probe(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+class Sample(NamedTuple):
+    """Seconds per call: the median batch, and the best (the slowest rank's each)."""
+
+    median: float
+    best: float
+
+    def row(self, kind: str, nbytes: int, scale: float = 1.0, **extra: Any) -> dict[str, Any]:
+        return {"kind": kind, "bytes": nbytes, "seconds": self.median * scale,
+                "min": self.best * scale, **extra}
+
+
 class Timer:
-    """Median seconds per call over `rounds` synchronised batches of ~`round_s`."""
+    """Seconds per call over `rounds` synchronised batches of ~`round_s` each. Many
+    short batches: on shared cores the best one is the machine without its other users."""
 
     def __init__(self, comm: Any, round_s: float, rounds: int) -> None:
         self.comm, self.round_s, self.rounds = comm, round_s, rounds
 
-    def iters(self, fn: Callable[[], Any]) -> int:
+    def count(self, warm_s: float) -> int:
+        """Calls per batch from 3 warm-up calls' time, as rank 0 saw it."""
+        n = max(3, min(20000, int(self.round_s / max(warm_s / 3, 1e-7))))
+        return int(self.comm.bcast(n, root=0))
+
+    def result(self, batches: list[float]) -> Sample:
+        # the slowest rank's: a collective is done when its last rank is
+        worst = _max_op()
+        return Sample(float(self.comm.allreduce(statistics.median(batches), op=worst)),
+                      float(self.comm.allreduce(min(batches), op=worst)))
+
+    def time(self, fn: Callable[[], Any]) -> Sample:
         t0 = time.perf_counter()
         for _ in range(3):
             fn()
-        per = (time.perf_counter() - t0) / 3
-        n = max(3, min(20000, int(self.round_s / max(per, 1e-7))))
-        return int(self.comm.bcast(n, root=0))
-
-    def time(self, fn: Callable[[], Any]) -> float:
-        n = self.iters(fn)
-        samples = []
+        n = self.count(time.perf_counter() - t0)
+        batches = []
         for _ in range(self.rounds):
             self.comm.Barrier()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
-            samples.append((time.perf_counter() - t0) / n)
-        # the slowest rank's median: a collective is done when its last rank is
-        return float(self.comm.allreduce(statistics.median(samples), op=_max_op()))
+            batches.append((time.perf_counter() - t0) / n)
+        return self.result(batches)
+
+    async def time_async(self, fn: Callable[[], Any]) -> Sample:
+        """`time` for an awaitable call."""
+        t0 = time.perf_counter()
+        for _ in range(3):
+            await fn()
+        n = self.count(time.perf_counter() - t0)
+        batches = []
+        for _ in range(self.rounds):
+            self.comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                await fn()
+            batches.append((time.perf_counter() - t0) / n)
+        return self.result(batches)
 
 
 def _max_op() -> Any:
@@ -489,9 +521,9 @@ P2P_SIZES = (8, 256, 2 << 10, 16 << 10, 64 << 10, 512 << 10, 4 << 20, 64 << 20)
 
 
 def probe_p2p(world: Any, hosts: list[str], timer: Timer) -> list[dict[str, Any]]:
-    """Ping-pong (half the round trip) and a stream of small sends (CPU per message),
-    rank 0 with its neighbour on the node and, across hosts, with the first rank of
-    the next host."""
+    """Ping-pong (half the round trip), exchange, and a stream of small sends (CPU per
+    message), rank 0 with its neighbour on the node and, across hosts, with the first
+    rank of the next host."""
     import numpy as np
     import torch
 
@@ -503,29 +535,28 @@ def probe_p2p(world: Any, hosts: list[str], timer: Timer) -> list[dict[str, Any]
             continue
         for nbytes in P2P_SIZES:
             buf = torch.zeros(nbytes, dtype=torch.uint8).numpy()  # torch's memory: see probe_raw
-            half = pair_time(world, peer, partial(_pingpong, world, buf, peer), timer) / 2
-            rows.append({"kind": "pingpong", "where": where, "bytes": nbytes, "seconds": half})
             other = torch.zeros(nbytes, dtype=torch.uint8).numpy()
-            swap = pair_time(world, peer, partial(_exchange, world, buf, other, peer), timer)
-            rows.append({"kind": "exchange", "where": where, "bytes": nbytes, "seconds": swap})
+            rows.append(pair_time(world, peer, partial(_pingpong, world, buf, peer), timer)
+                        .row("pingpong", nbytes, 0.5, where=where))
+            rows.append(pair_time(world, peer, partial(_exchange, world, buf, other, peer), timer)
+                        .row("exchange", nbytes, where=where))
         window = 256
         small = np.zeros(8, np.uint8)
-        per_batch = pair_time(world, peer, partial(_stream, world, small, peer, window), timer)
-        rows.append({"kind": "stream", "where": where, "bytes": 8, "window": window,
-                     "seconds": per_batch / window})
+        rows.append(pair_time(world, peer, partial(_stream, world, small, peer, window), timer)
+                    .row("stream", 8, 1 / window, where=where, window=window))
     return rows
 
 
-def pair_time(world: Any, peer: int, fn: Callable[[], None], timer: Timer) -> float:
-    """Median time of `fn` on rank 0 and `peer` while the others wait idle."""
+def pair_time(world: Any, peer: int, fn: Callable[[], None], timer: Timer) -> Sample:
+    """`fn` timed on rank 0 and `peer` while the others wait idle."""
     active = world.rank in (0, peer)
     pair = world.Split(0 if active else 1, world.rank)
-    seconds = 0.0
+    got = Sample(0.0, 0.0)
     if active:
-        seconds = Timer(pair, timer.round_s, timer.rounds).time(fn)
+        got = Timer(pair, timer.round_s, timer.rounds).time(fn)
     pair.Free()
     idle_wait(world)
-    return float(world.bcast(seconds, root=0))
+    return Sample(*world.bcast(tuple(got), root=0))
 
 
 def _pingpong(world: Any, buf: Any, peer: int) -> None:
@@ -554,7 +585,7 @@ def _stream(world: Any, buf: Any, peer: int, window: int) -> None:
 
 
 def probe_raw(world: Any, timer: Timer, sizes: list[int]) -> list[dict[str, Any]]:
-    """The MPI calls each system's model is made of, as blocking calls."""
+    """The MPI calls each system's model is made of."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -564,23 +595,24 @@ def probe_raw(world: Any, timer: Timer, sizes: list[int]) -> list[dict[str, Any]
         # torch's memory, as asynclock's calls get: numpy asks for huge pages on big
         # arrays and torch does not, which alone moves a large allreduce by ~15%
         arr = torch.zeros(max(1, nbytes // 4)).numpy()
-        rows.append({"kind": "mpi_allreduce", "bytes": nbytes, "seconds": timer.time(
-            partial(world.Allreduce, MPI.IN_PLACE, arr, MPI.SUM))})
+        rows.append(timer.time(partial(world.Allreduce, MPI.IN_PLACE, arr, MPI.SUM))
+                    .row("mpi_allreduce", nbytes))
     # the two header rounds' MPI calls as asynclock issues them, non-blocking; a builtin
     # op in place of the compact round's user op (each MPI picks the same algorithm for
     # both at this size), waited for at once
-    words, reduced = np.zeros(COMPACT_BYTES // 8, np.int64), np.zeros(COMPACT_BYTES // 8, np.int64)
-    rows.append({"kind": "mpi_iallreduce_compact", "bytes": COMPACT_BYTES, "seconds": timer.time(
-        lambda: world.Iallreduce(words, reduced, MPI.BOR).Wait())})
+    words = np.zeros(COMPACT_BYTES // 8, np.int64)
+    reduced = np.zeros(COMPACT_BYTES // 8, np.int64)
+    rows.append(timer.time(lambda: world.Iallreduce(words, reduced, MPI.BOR).Wait())
+                .row("mpi_iallreduce_compact", COMPACT_BYTES))
     slot = np.zeros(SLOT_BYTES, np.uint8)
     slots = np.zeros(SLOT_BYTES * world.size, np.uint8)
-    rows.append({"kind": "mpi_iallgather_rows", "bytes": SLOT_BYTES, "seconds": timer.time(
-        lambda: world.Iallgather(slot, slots).Wait())})
+    rows.append(timer.time(lambda: world.Iallgather(slot, slots).Wait())
+                .row("mpi_iallgather_rows", SLOT_BYTES))
     bits = np.zeros(1, np.int64)
-    rows.append({"kind": "mpi_allreduce_band", "bytes": 8, "seconds": timer.time(
-        lambda: world.Allreduce(MPI.IN_PLACE, bits, MPI.BAND))})
-    rows.append({"kind": "hvd_miss_mpi", "bytes": HVD_REQUEST_BYTES,
-                 "seconds": timer.time(lambda: _miss_cycle(world, bits))})
+    rows.append(timer.time(lambda: world.Allreduce(MPI.IN_PLACE, bits, MPI.BAND))
+                .row("mpi_allreduce_band", 8))
+    rows.append(timer.time(lambda: _miss_cycle(world, bits)).row("hvd_miss_mpi",
+                                                                  HVD_REQUEST_BYTES))
     return rows
 
 
@@ -616,31 +648,13 @@ def probe_asynclock(world: Any, timer: Timer, sizes: list[int]) -> list[dict[str
         async with asynclock.start() as coord:
             for nbytes in sizes:
                 t = torch.zeros(max(1, nbytes // 4))
-                rows.append({"kind": "asynclock_allreduce", "bytes": nbytes,
-                             "seconds": await async_time(timer, partial(coord.allreduce_, t))})
+                got = await timer.time_async(partial(coord.allreduce_, t))
+                rows.append(got.row("asynclock_allreduce", nbytes))
             rows.append({"kind": "asynclock_rows_rounds", "bytes": 0,
                          "seconds": float(coord.small_path_statistics().rows_rounds)})
 
     anyio.run(main)
     return rows
-
-
-async def async_time(timer: Timer, fn: Callable[[], Any]) -> float:
-    """`Timer.time` for an awaitable call."""
-    comm = timer.comm
-    t0 = time.perf_counter()
-    for _ in range(3):
-        await fn()
-    per = (time.perf_counter() - t0) / 3
-    n = int(comm.bcast(max(3, min(20000, int(timer.round_s / max(per, 1e-7)))), root=0))
-    samples = []
-    for _ in range(timer.rounds):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            await fn()
-        samples.append((time.perf_counter() - t0) / n)
-    return float(comm.allreduce(statistics.median(samples), op=_max_op()))
 
 
 def probe_horovod(world: Any, timer: Timer) -> list[dict[str, Any]]:
@@ -653,8 +667,8 @@ def probe_horovod(world: Any, timer: Timer) -> list[dict[str, Any]]:
     try:
         for nbytes in (4, 64 << 10):
             t = torch.zeros(max(1, nbytes // 4))
-            rows.append({"kind": "horovod_allreduce", "bytes": nbytes, "seconds": timer.time(
-                partial(hvd.allreduce_, t, op=hvd.Sum))})
+            rows.append(timer.time(partial(hvd.allreduce_, t, op=hvd.Sum))
+                        .row("horovod_allreduce", nbytes))
     finally:
         hvd.shutdown()
     return rows
@@ -833,8 +847,13 @@ def repeated(run: Callable[[Job], dict[str, Any] | None], job: Job,
     for d in runs:
         for r in d["rows"]:
             merged.setdefault((r["kind"], r.get("where"), r["bytes"]), []).append(r["seconds"])
+    best: dict[tuple[Any, ...], float] = {}
+    for d in runs:
+        for r in d["rows"]:
+            key = (r["kind"], r.get("where"), r["bytes"])
+            best[key] = min(best.get(key, math.inf), r.get("min", r["seconds"]))
     rows = [{"kind": k, "where": w, "bytes": b, "seconds": statistics.median(v),
-             "best": min(v), "runs": v} for (k, w, b), v in merged.items()]
+             "best": best[(k, w, b)], "runs": v} for (k, w, b), v in merged.items()]
     idle = [i for d in runs for i in d["meta"]["idle"]]
     return {"meta": {**runs[0]["meta"], "runs": len(runs), "idle": idle}, "rows": rows}
 
@@ -997,7 +1016,7 @@ def validation(stored: dict[str, Any]) -> list[dict[str, Any]]:
                         continue
                     pred = model(lay, rig_params(p, where)).seconds
                     best = r.get("best", r["seconds"])
-                    out.append({"mpi": mpi, "where": where, "layout": lay.label(),
+                    out.append({"mpi": mpi, "where": where, "layout": lay.label(), "ranks": n,
                                 "kind": r["kind"], "bytes": r["bytes"],
                                 "measured": r["seconds"], "best": best, "predicted": pred,
                                 "error": (pred - r["seconds"]) / r["seconds"],
@@ -1042,10 +1061,8 @@ def render_validation(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render_params(ps: Iterable[Params]) -> str:
+def render_params(ps: list[Params]) -> str:
     lines = ["| parameter | " + " | ".join(MPI_NAMES[p.mpi] for p in ps) + " |"]
-    ps = list(ps)
-    lines[0] = "| parameter | " + " | ".join(MPI_NAMES[p.mpi] for p in ps) + " |"
     lines.append("| --- |" + " --- |" * len(ps))
 
     def row(name: str, get: Callable[[Params], str]) -> None:
@@ -1132,8 +1149,13 @@ def report(stored: dict[str, Any], net: str | None = None) -> str:
     out = [f"measured: {stored.get('measured', {})}, machine: {machine.get('host')} "
            f"({machine.get('cpus')} CPUs)",
            "\n## Parameters\n", render_params(ps),
-           "\n## Validation: model vs measured (slowest rank's median per call)\n",
-           render_validation(validation(stored))]
+           "\n## Validation: model vs measured (slowest rank's median per call)\n"]
+    checked = validation(stored)
+    cpus = int(machine.get("cpus") or 0)
+    fits = [r for r in checked if r["ranks"] <= cpus]
+    out += [f"\nOne rank per core or fewer ({cpus} cores):\n", render_validation(fits),
+            f"\nMore ranks than the {cpus} cores (netrig's hosts share them too):\n",
+            render_validation([r for r in checked if r["ranks"] > cpus])]
     where = "netrig's 5 Gbit/s TCP between nodes"
     if net is not None:
         ps = [replace(p, net=assumed_net(net)) for p in ps]
@@ -1155,9 +1177,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", default=str(PARAMS_JSON))
     p.add_argument("--mpis", default="embedded,system")
     p.add_argument("--link", default="5gbit", help="netrig link rate")
-    p.add_argument("--rounds", type=int, default=5, help="timed batches per figure and job")
+    p.add_argument("--rounds", type=int, default=15, help="timed batches per figure and job")
     p.add_argument("--repeat", type=int, default=3, help="jobs per configuration (median)")
-    p.add_argument("--round-s", type=float, default=0.1)
+    p.add_argument("--round-s", type=float, default=0.03)
     p.add_argument("--job-timeout", type=float, default=240.0)
     p.add_argument("--skip-horovod", action="store_true")
     p.add_argument("--quiet-s", type=float, default=60.0,
