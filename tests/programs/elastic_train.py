@@ -78,7 +78,7 @@ def loss_of(model: torch.nn.Module, data: Any, batch: list[int]) -> torch.Tensor
 def next_batch(state: Any, rank: int) -> list[int]:
     """This rank's batch of the step: the sampler's shard, from where the epoch is."""
     done = state.step - state.epoch_start_step  # steps of this world so far
-    return list(state.sampler.indices[done * BATCH:(done + 1) * BATCH])
+    return list(state.sampler)[done * BATCH:(done + 1) * BATCH]
 
 
 def epoch_over(state: Any) -> bool:

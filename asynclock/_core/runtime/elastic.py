@@ -132,6 +132,10 @@ def reform(lost: RankFailedError | None = None) -> runtime.Coordinator:
     old = runtime._global
     if old is None:
         raise RuntimeError("reform() needs a coordinator: call init() first")
+    if os.environ.get(failure.ELASTIC_LAUNCHER_ENV) != "1":  # MPI worlds are static
+        raise lost or RankFailedError("the job cannot re-form: start it with Horovod's "
+                                      "elastic launcher (horovodrun --gloo --min-np N, or "
+                                      "python -m asynclock.launch --elastic)")
     reason = lost or RankFailedError("the job re-forms: hosts were added or removed")
     for hook in _leaving:
         hook(old)
