@@ -140,6 +140,22 @@ def test_below_min_np_the_job_ends_naming_the_lost_rank(tmp_path: Path) -> None:
     assert elapsed < 150, job.explain()
 
 
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_the_example_kills_a_rank_and_finishes_at_three() -> None:
+    """examples/elastic_kill_and_continue.py starts its own elastic job and finishes it."""
+    if why := horovodrun_missing(gloo=True):
+        pytest.skip(why)
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic_kill_and_continue.py")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "rank 2: SIGKILL" in out and "added host 127.0.1" in out, out
+    assert len(re.findall(r"finished as rank \d of 3", out)) == 3, out
+    assert re.search(r"epoch 2 done at 3 ranks", out), out
+
+
 # -- in-process: one rank --------------------------------------------------------------
 @pytest.fixture
 def one_rank() -> object:

@@ -39,7 +39,11 @@ import asynclock
 hvd: Any = importlib.import_module("horovod.torch" if "horovod" in sys.argv else
                                    "asynclock.torch")
 
-N_SAMPLES, FEATURES, BATCH, COMMIT_EVERY, STEP_PAUSE_S = 480, 8, 4, 3, 0.08
+N_SAMPLES, FEATURES, BATCH, COMMIT_EVERY = 480, 8, 4, 3
+# Seconds between steps; longer in the 2-rank world, which must last until the added
+# host joins (the driver polls the discovery script every second, the newcomer starts
+# Python and torch meanwhile the survivors wait in the rendezvous).
+PAUSE_S = {3: 0.08, 2: 0.15}
 LR, MOMENTUM = 0.05, 0.9
 RESETS: list[float] = []  # a reset callback notes each reset
 
@@ -141,7 +145,7 @@ def run_hvd(args: argparse.Namespace) -> Any:
             loss.backward()
             optimizer.step()
             after_step(state, rank, size, hvd.allgather_object(batch))
-            time.sleep(STEP_PAUSE_S)
+            time.sleep(PAUSE_S.get(size, 0.08))
             if state.step % COMMIT_EVERY == 0:
                 maybe_add_host(args, rank, size)
                 state.commit()
@@ -176,7 +180,7 @@ async def run_async(args: argparse.Namespace) -> Any:
                 maybe_die(args, rank, size, state.step + 1)
                 await step.backward(loss)
             after_step(state, rank, size, await coord.allgather_object(batch))
-            await anyio.sleep(STEP_PAUSE_S)
+            await anyio.sleep(PAUSE_S.get(size, 0.08))
             if state.step % COMMIT_EVERY == 0:
                 maybe_add_host(args, rank, size)
                 await state.commit_async()
