@@ -234,6 +234,30 @@ def test_the_policy_is_reform_under_the_elastic_launcher(monkeypatch: pytest.Mon
     assert failure.policy() == "abort"
 
 
+def test_gloo_sockets_ends_only_tcp_connections_opened_since_its_snapshot() -> None:
+    """What `hvd.shutdown()` leaves open is ended, the descriptor stays (Horovod closes it);
+    sockets that were there before, and local socket pairs, are left alone."""
+    import socket
+
+    from asynclock._core.transports.horovod_elastic import GlooSockets
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    older = socket.create_connection(listener.getsockname())
+    older_peer, _ = listener.accept()
+    before = GlooSockets.snapshot()
+    pair = socket.socketpair()
+    newer = socket.create_connection(listener.getsockname())
+    newer_peer, _ = listener.accept()
+    sockets = GlooSockets(before)
+    assert sockets.end_connections() == 2  # `newer` and the end `accept` made
+    assert newer_peer.recv(1) == b"" and os.fstat(newer.fileno())  # ended, still open
+    pair[0].sendall(b"x")
+    older.sendall(b"y")
+    assert pair[1].recv(1) == b"x" and older_peer.recv(1) == b"y"
+    for sock in (listener, older, older_peer, newer, newer_peer, *pair):
+        sock.close()
+
+
 def test_launch_elastic_command_line(tmp_path: Path) -> None:
     script = tmp_path / "hosts.sh"
     args = launch.parse_args(["--elastic", "--min-np", "2", "--max-np", "4",

@@ -23,6 +23,7 @@ import socket
 from collections.abc import Callable
 from typing import Protocol
 
+_TCP = (socket.AF_INET, socket.AF_INET6)
 # HostUpdateResult's bits, as Horovod's driver sends them
 REMOVED, ADDED = 1, 2
 _RENDEZVOUS_ENV = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
@@ -69,7 +70,8 @@ class GlooSockets:
     descriptors stay Horovod's to close) lets such a receive fail at once.
 
     A descriptor is ended only while it is still the socket that init opened
-    (same inode), so a number reused meanwhile is left alone.
+    (same inode), so a number reused meanwhile is left alone, and only a TCP one
+    (gloo's transport): never a local socket pair such as an event loop's wake-up.
     """
 
     def __init__(self, before: dict[int, str]) -> None:
@@ -91,8 +93,9 @@ class GlooSockets:
             except OSError:  # closed meanwhile (gloo's own thread may close it)
                 continue
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-                ended += 1
+                if sock.family in _TCP and sock.type == socket.SOCK_STREAM:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    ended += 1
             except OSError:  # a listener, or a pair the peer already closed
                 pass
             finally:
