@@ -2,7 +2,8 @@
 mid-epoch, the survivors go on from the last commit, a host the discovery script adds
 joins at the next commit, and rank 0 checks the end against a one-process reference.
 
-    elastic_train.py WORKDIR [--api hvd|async|horovod] [--kill-at STEP] [--add-host NAME]
+    elastic_train.py WORKDIR [--api hvd|async|horovod] [--kill-at STEP] [--kill-rank R]
+                     [--add-host NAME]
 
 WORKDIR holds `hosts` (what the discovery script prints) and markers, so a rank that
 joins later neither dies again nor adds a host again. Each step every rank trains on
@@ -53,7 +54,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("workdir", type=Path)
     p.add_argument("--api", choices=("hvd", "async", "horovod"), default="hvd")
     p.add_argument("--kill-at", type=int, default=8,
-                   help="rank 2 dies in this step, one past an uncommitted step (0: never)")
+                   help="a rank dies in this step, one past an uncommitted step (0: never)")
+    p.add_argument("--kill-rank", type=int, default=2, help="the rank that dies")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
     return p.parse_args()
 
@@ -91,7 +93,7 @@ def epoch_over(state: Any) -> bool:
 
 def maybe_die(args: argparse.Namespace, rank: int, size: int, step: int) -> None:
     marker = args.workdir / "killed"
-    if rank == 2 and size == 3 and step == args.kill_at and not marker.exists():
+    if rank == args.kill_rank and size == 3 and step == args.kill_at and not marker.exists():
         marker.write_text("")
         report(rank, "died", f"at={time.time():.6f}")
         os.kill(os.getpid(), signal.SIGKILL)
