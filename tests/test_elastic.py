@@ -38,7 +38,8 @@ _AT = re.compile(r"RANK (\d+) OK (\w+) (?:pid=(\d+) )?.*?at=([\d.]+)")
 
 
 def elastic_job(tmp_path: Path, *args: str, min_np: int = 2, max_np: int = 3,
-                elastic_timeout: int | None = None, timeout: float = 300) -> tuple[Job, float]:
+                elastic_timeout: int | None = None, timeout: float = 300,
+                env: dict[str, str] | None = None) -> tuple[Job, float]:
     """The program on 3 ranks under `asynclock.launch --elastic`; (job, seconds)."""
     if why := horovodrun_missing(gloo=True):
         pytest.skip(why)
@@ -53,11 +54,12 @@ def elastic_job(tmp_path: Path, *args: str, min_np: int = 2, max_np: int = 3,
            "--min-np", str(min_np), "--max-np", str(max_np),
            "--host-discovery-script", str(script), *extra, "--timeout", str(timeout),
            str(PROGRAMS / "elastic_train.py"), str(tmp_path), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **(env or {})}
     t0 = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT,
-                          env=env)
+                          env=full_env)
     return Job(done.returncode, done.stdout + done.stderr, cmd), time.monotonic() - t0
 
 
@@ -135,6 +137,22 @@ def test_when_rank_0_dies_the_lowest_survivor_leads(tmp_path: Path) -> None:
     it hears of the added host from the driver, and it checks the end."""
     job, _ = elastic_job(tmp_path, "--kill-rank", "0", "--add-host", ADDED_HOST)
     check_kill_and_rejoin(job, dead=0)
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_a_rank_cut_off_is_named_by_its_silence_and_left_behind(tmp_path: Path) -> None:
+    """Rank 2 freezes (SIGSTOP: alive, connections open, silent, as behind a cut link)
+    and is SIGKILLed 4 s later, as when the launcher's session to a cut host ends. The
+    survivors name it after ASYNCLOCK_DEAD_AFTER_S (2 s) and re-form once the driver
+    has seen it go; training ends as in the other tests."""
+    job, _ = elastic_job(tmp_path, "--cut-for", "4", env={
+        "ASYNCLOCK_DEAD_AFTER_S": "2", "ASYNCLOCK_HEARTBEAT_S": "0.2"})
+    assert job.returncode == 0, job.explain()
+    for rank in (0, 1):
+        assert f"asynclock[rank {rank}]: rank 2 is unreachable: no heartbeat for" in \
+            job.output, job.explain()
+    assert re.search(r"RANK 0 OK checked steps=\d+ sizes=3{6}2+ ", job.output), job.explain()
 
 
 @pytest.mark.horovod

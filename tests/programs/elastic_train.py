@@ -26,6 +26,7 @@ import argparse
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=8,
                    help="a rank dies in this step, one past an uncommitted step (0: never)")
     p.add_argument("--kill-rank", type=int, default=2, help="the rank that dies")
+    p.add_argument("--cut-for", type=float, default=0.0,
+                   help="the rank freezes instead (a host cut off) and dies S seconds later, "
+                        "as when the launcher's session to a cut host ends")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
     return p.parse_args()
 
@@ -96,6 +100,10 @@ def maybe_die(args: argparse.Namespace, rank: int, size: int, step: int) -> None
     if rank == args.kill_rank and size == 3 and step == args.kill_at and not marker.exists():
         marker.write_text("")
         report(rank, "died", f"at={time.time():.6f}")
+        if args.cut_for:
+            subprocess.Popen(["sh", "-c", f"sleep {args.cut_for}; kill -9 {os.getpid()}"],
+                             start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
