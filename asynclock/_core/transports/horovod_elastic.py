@@ -63,11 +63,12 @@ class GlooSockets:
     `hvd.shutdown()` returned.
 
     Horovod 0.28 keeps its gloo pairs open after shutdown, until the next init
-    replaces them. A peer whose Horovod thread waits in a gloo receive from this
-    rank then waits out HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) before its shutdown
-    returns, however soon this rank left: a lost rank made every survivor wait
-    that long. Ending the connections (`shutdown(2)`, never `close`: the
-    descriptors stay Horovod's to close) lets such a receive fail at once.
+    replaces them, and the next init waits at the elastic driver's rendezvous for
+    every survivor. A survivor whose Horovod thread waits in a gloo receive from
+    this rank therefore waits out HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) before its
+    own shutdown returns, however soon this rank left the world. Ending the
+    connections (`shutdown(2)`, never `close`: the descriptors stay Horovod's to
+    close) makes such a receive fail at once.
 
     A descriptor is ended only while it is still the socket that init opened
     (same inode), so a number reused meanwhile is left alone, and only a TCP one

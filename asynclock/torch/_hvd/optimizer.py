@@ -14,6 +14,7 @@ once and lets the next forward start on layers whose buckets are in; and
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -64,7 +65,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._recipe = _Recipe(registry, options, tuning, gate_model, process_set, shard)
         self._mode = mode
         self._attach()
-        _OPTIMIZERS.add(self)
+        _OPTIMIZERS[next(_made)] = self
 
     def _attach(self) -> None:
         """Hooks, a reducer and its gradient channel on the current coordinator."""
@@ -103,7 +104,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         whose channel dies with the old coordinator; the state stays."""
         self._remove_hooks()
         self._gate, self._traced = None, []
-        self._base_class.zero_grad(self, True)  # the interrupted step's, into the new buckets
+        self._base_class.zero_grad(self, True)  # the interrupted step's would add to the next
 
     def _join_world(self) -> None:
         """The re-formed world stands: a reducer on its coordinator, with a new gradient
@@ -332,7 +333,11 @@ def _refuse_sparse_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 _SERVED: set[int] = set()  # ids of process sets whose gradient lane has an optimizer
-_OPTIMIZERS: weakref.WeakSet[_DistributedOptimizer] = weakref.WeakSet()
+# Live optimizers in the order they were made: after a reset each makes its gradient
+# channel again, a collective that every rank must issue in the same order.
+_OPTIMIZERS: weakref.WeakValueDictionary[int, _DistributedOptimizer] = (
+    weakref.WeakValueDictionary())
+_made = itertools.count()
 
 
 class _Recipe(NamedTuple):
@@ -349,13 +354,13 @@ class _Recipe(NamedTuple):
 
 def leave_world() -> None:
     """Before an elastic reset: every live `DistributedOptimizer` drops its reducer."""
-    for optimizer in list(_OPTIMIZERS):
+    for optimizer in list(_OPTIMIZERS.values()):
         optimizer._leave_world()
 
 
 def join_world() -> None:
     """After an elastic reset: every live `DistributedOptimizer` gets a new reducer."""
-    for optimizer in list(_OPTIMIZERS):
+    for optimizer in list(_OPTIMIZERS.values()):
         optimizer._join_world()
 
 
