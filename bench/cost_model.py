@@ -7,13 +7,14 @@ path, Horovod's negotiation and raw MPI allreduce, as functions of the ranks
     python bench/cost_model.py --measure netrig   # the same across netrig hosts (root)
     python bench/cost_model.py probe ...          # the rank program the two above launch
 
-The model is Hockney's: a message of m bytes over a link costs alpha + beta*m,
-reducing m bytes costs gamma*m, and each rank's call costs a fixed CPU time
-in the engine. Links are per level: `shm` between ranks of one node, `net`
-between nodes; ranks of a node that cross the network in the same step share
-its link (beta scaled by the ranks per node). Which algorithm an MPI runs is
-an assumption stated per function; real MPIs switch by size and by
-communicator size. Formulas, parameters and the validation: docs/design/cost_model.md.
+The model is Hockney's, with each link's cost taken by message size from
+measurements (a one-way message and an exchange) instead of one straight
+line alpha + beta*m: reducing m bytes costs g(m), and each rank's call costs
+a fixed CPU time in the engine. Links are per level: `shm` between ranks of
+one node, `net` between nodes; ranks of a node that cross the network in the
+same step share its link. Which algorithm an MPI runs is stated per function,
+from its source; real MPIs switch by size and by communicator size. Formulas,
+parameters and the validation: docs/design/cost_model.md.
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ class Cost(NamedTuple):
 
     def plus(self, seconds: float) -> Cost:
         return Cost(self.seconds + seconds, self.sent)
-
 
 
 @dataclass(frozen=True)
@@ -650,8 +650,6 @@ def probe_asynclock(world: Any, timer: Timer, sizes: list[int]) -> list[dict[str
                 t = torch.zeros(max(1, nbytes // 4))
                 got = await timer.time_async(partial(coord.allreduce_, t))
                 rows.append(got.row("asynclock_allreduce", nbytes))
-            rows.append({"kind": "asynclock_rows_rounds", "bytes": 0,
-                         "seconds": float(coord.small_path_statistics().rows_rounds)})
 
     anyio.run(main)
     return rows
@@ -1104,29 +1102,36 @@ def _bw(beta: float) -> str:
     return f"{gbs:.2f} GB/s ({gbs * 8:.1f} Gbit/s)"
 
 
-SCALE_ROWS: tuple[tuple[str, Callable[[Layout, int, Params], Cost]], ...] = (
-    ("asynclock check, after (compact)", lambda lay, m, p: check_after(lay, p)),
-    ("asynclock check, before (rows every call)", lambda lay, m, p: check_before(lay, p)),
-    ("asynclock check, ranks differ (compact + rows)", lambda lay, m, p: check_rows(lay, p)),
-    ("asynclock allreduce, flat", lambda lay, m, p: asynclock_allreduce(lay, m, p)),
-    ("asynclock allreduce, node window + stripes", lambda lay, m, p:
-     asynclock_allreduce_hier(lay, m, p)),
-    ("MPI_Allreduce, flat", lambda lay, m, p: mpi_allreduce(lay, m, p)),
-    ("MPI_Allreduce, node leaders", lambda lay, m, p: mpi_allreduce_hier(lay, m, p)),
-    ("MPI_Allreduce, ring (latency bound at scale)", lambda lay, m, p: ring(lay, m, p)),
-    ("Horovod negotiation, cache hit (per cycle)", lambda lay, m, p: hvd_negotiation(lay, p)),
-    ("Horovod negotiation, miss (per cycle)", lambda lay, m, p: hvd_negotiation_miss(lay, p)),
-    ("hvd.allreduce, synchronous", lambda lay, m, p: hvd_allreduce_sync(lay, m, p)),
+Sized = Callable[[Layout, int, Params], Cost]
+
+
+def unsized(fn: Callable[[Layout, Params], Cost]) -> Sized:
+    """A cost that does not depend on the message, as a row of the predictions."""
+    return lambda lay, m, p: fn(lay, p)
+
+
+# The predictions' rows; False: the cost does not depend on the message (one row).
+SCALE_ROWS: tuple[tuple[str, Sized, bool], ...] = (
+    ("asynclock check, after (compact)", unsized(check_after), False),
+    ("asynclock check, before (rows every call)", unsized(check_before), False),
+    ("asynclock check, ranks differ (compact + rows)", unsized(check_rows), False),
+    ("asynclock allreduce, flat", asynclock_allreduce, True),
+    ("asynclock allreduce, node window + stripes", asynclock_allreduce_hier, True),
+    ("MPI_Allreduce, flat", mpi_allreduce, True),
+    ("MPI_Allreduce, node leaders", mpi_allreduce_hier, True),
+    ("MPI_Allreduce, ring (latency bound at scale)", ring, True),
+    ("Horovod negotiation, cache hit (per cycle)", unsized(hvd_negotiation), False),
+    ("Horovod negotiation, miss (per cycle)", unsized(hvd_negotiation_miss), False),
+    ("hvd.allreduce, synchronous", hvd_allreduce_sync, True),
 )
-SIZE_FREE = {0, 1, 2, 8, 9}  # rows above whose cost does not depend on the message
 
 
 def render_predictions(p: Params, layouts: Iterable[Layout]) -> str:
     lays = list(layouts)
     head = "| what | size | " + " | ".join(f"{lay.label()} ({lay.n})" for lay in lays) + " |"
     lines = [head, "| --- | --- |" + " --- |" * len(lays)]
-    for i, (name, fn) in enumerate(SCALE_ROWS):
-        for m in ((0,) if i in SIZE_FREE else SIZES):
+    for name, fn, sized in SCALE_ROWS:
+        for m in (SIZES if sized else (0,)):
             cells = [fn(lay, m, p) for lay in lays]
             lines.append(f"| {name} | {fmt_b(m) if m else '-'} | " + " | ".join(
                 f"{fmt_s(c.seconds)}, {fmt_b(c.sent)}" for c in cells) + " |")
