@@ -133,6 +133,9 @@ class Params:
     o_stage: float  # extra for a data stage issued from the call (64 KiB, 1 rank)
     o_bulk: float  # extra for a bulk allreduce through the wait thread (4 MiB, 1 rank)
     fresh: float = 0.0  # seconds per byte of memory a process touches the first time
+    # memcpy and sum while every core of the node does the same (the node window)
+    copy_all: Rate | None = None
+    gamma_all: Rate | None = None
     loop: Link | None = None  # netrig only: ranks of one emulated host (TCP over loopback)
 
 
@@ -359,28 +362,31 @@ def asynclock_allreduce(lay: Layout, nbytes: float, p: Params, before: bool = Fa
 
 
 def shm_reduce_scatter(nbytes: float, ppn: int, p: Params) -> float:
-    """The node window: a rank copies in the chunks its peers sum and sums its own 1/ppn
-    chunk from every rank's buffer, at one core's speed (ppn cores sharing the node's
-    memory bandwidth is not modelled)."""
+    """The node window (docs/design/node-window.md): a rank copies in the slices its
+    peers fold and folds its own 1/ppn slice over every rank's input, at one core's
+    speed (ppn cores sharing the node's memory bandwidth is not modelled)."""
     if ppn <= 1:
         return 0.0
     chunk = nbytes / ppn
-    return p.shm.alpha + p.copy.time((ppn - 1) * chunk) + (ppn - 1) * p.gamma.time(chunk)
+    copy, gamma = p.copy_all or p.copy, p.gamma_all or p.gamma
+    return p.shm.alpha + copy.time((ppn - 1) * chunk) + (ppn - 1) * gamma.time(chunk)
 
 
 def shm_allgather(nbytes: float, ppn: int, p: Params) -> float:
-    """Each rank copies the ppn - 1 summed chunks of its peers back."""
+    """Each rank copies every folded slice out of its owner's region, its own too."""
     if ppn <= 1:
         return 0.0
-    return p.shm.alpha + p.copy.time((ppn - 1) * nbytes / ppn)
+    return p.shm.alpha + (p.copy_all or p.copy).time(nbytes)
 
 
 def asynclock_allreduce_hier(lay: Layout, nbytes: float, p: Params) -> Cost:
-    """The node window plus striped cross-node allreduce: reduce-scatter in shared
-    memory, every local rank allreduces its 1/ppn stripe with its peers on the other
-    nodes (ppn streams through the node's link at once), allgather in shared memory."""
-    if nbytes <= INLINE_BYTES:
-        return check_after(lay, p)
+    """The node window, asynclock's bulk path from 1 MiB where every node holds the same
+    number of ranks, more than one: reduce-scatter in shared memory, every local rank
+    allreduces its 1/ppn slice with its peers on the other nodes (ppn streams through
+    the node's link at once), every rank copies the slices out. Below 1 MiB, and with
+    one rank per node, the flat path."""
+    if nbytes < THREAD_MIN_BYTES or lay.ppn < 2:
+        return asynclock_allreduce(lay, nbytes, p)
     net = mpi_allreduce(Layout(lay.nodes, 1, streams=lay.ppn), nbytes / lay.ppn, p)
     local = shm_reduce_scatter(nbytes, lay.ppn, p) + shm_allgather(nbytes, lay.ppn, p)
     return check_after(lay, p).add(net).plus(local + data_extra(nbytes, p))
@@ -823,7 +829,47 @@ def machine_rows() -> list[dict[str, Any]]:
             fn()
             per = min(_once(fn, reps) for _ in range(5))
             rows.append({"kind": kind, "bytes": nbytes, "seconds": per})
+    return rows + concurrent_rows()
+
+
+def concurrent_rows() -> list[dict[str, Any]]:
+    """The same copy and sum on every core at once (numpy releases the GIL): what each
+    of a node's ranks gets while they all copy, as in the node window."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    cores = os.cpu_count() or 1
+    rows = []
+    for nbytes in MEM_SIZES:
+        pairs = [(np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32))
+                 for _ in range(cores)]
+        reps = max(1, (64 << 20) // nbytes)
+        for kind, op in (("memcpy_all_cores", np.copyto), ("sum_f32_all_cores", _add_into)):
+            with ThreadPoolExecutor(cores) as pool:
+                batch = partial(_on_every_core, pool, op, pairs, reps)
+                batch()
+                per = min(_once(batch, 1) for _ in range(5)) / reps
+            rows.append({"kind": kind, "bytes": nbytes, "seconds": per, "cores": cores})
     return rows
+
+
+def _add_into(dst: Any, src: Any) -> None:
+    """np.copyto's signature, summing instead."""
+    import numpy as np
+
+    np.add(src, dst, out=dst)
+
+
+def _on_every_core(pool: Any, op: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]],
+                   reps: int) -> None:
+    list(pool.map(partial(_repeat, op, reps=reps), pairs))
+
+
+def _repeat(op: Callable[[Any, Any], Any], ab: tuple[Any, Any], reps: int) -> None:
+    dst, src = ab
+    for _ in range(reps):
+        op(dst, src)
 
 
 def _once(fn: Callable[[], Any], reps: int) -> float:
@@ -949,6 +995,8 @@ def fit(pts: Points, mpi: str) -> Params | None:
     fresh = next((r["seconds"] / r["bytes"] for r in pts.machine
                   if r["kind"] == "fresh_memory"), 0.0)
     return Params(mpi=mpi, shm=shm, net=net or shm, gamma=gamma, copy=copy, fresh=fresh,
+                  copy_all=fit_rate(pts, "memcpy_all_cores"),
+                  gamma_all=fit_rate(pts, "sum_f32_all_cores"),
                   o_msg=pts.get(two, "stream", 8, "intra") or 0.0,
                   o_eng=max(0.0, a4 - at_one("mpi_iallreduce_compact", COMPACT_BYTES)),
                   o_stage=max(0.0, stage), o_bulk=max(0.0, bulk), loop=loop)
@@ -966,7 +1014,8 @@ def models_for(nbytes: int) -> dict[str, Model]:
     """Measured kind -> the model of it, for one size where a size applies."""
     return {
         "mpi_allreduce": lambda lay, p: mpi_allreduce(lay, nbytes, p),
-        "asynclock_allreduce": lambda lay, p: asynclock_allreduce(lay, nbytes, p),
+        # asynclock's default path: the node window where it applies
+        "asynclock_allreduce": lambda lay, p: asynclock_allreduce_hier(lay, nbytes, p),
     }
 
 
@@ -1082,6 +1131,9 @@ def render_params(ps: list[Params]) -> str:
     for size in (64 << 10, 64 << 20):
         row(f"gamma: float32 sum at {fmt_b(size)}", partial(_rate_bw, "gamma", size))
         row(f"memcpy at {fmt_b(size)}", partial(_rate_bw, "copy", size))
+    for size in (4 << 20, 64 << 20):
+        row(f"sum, every core at once, at {fmt_b(size)}", partial(_rate_bw, "gamma_all", size))
+        row(f"memcpy, every core at once, at {fmt_b(size)}", partial(_rate_bw, "copy_all", size))
     return "\n".join(lines)
 
 
@@ -1091,8 +1143,8 @@ def _link_bw(level: str, nbytes: int, p: Params) -> str:
 
 
 def _rate_bw(what: str, nbytes: int, p: Params) -> str:
-    rate: Rate = getattr(p, what)
-    return _bw(rate.curve.at(nbytes))
+    rate: Rate | None = getattr(p, what)
+    return _bw(rate.curve.at(nbytes)) if rate is not None else "-"
 
 
 def _bw(beta: float) -> str:
@@ -1115,8 +1167,8 @@ SCALE_ROWS: tuple[tuple[str, Sized, bool], ...] = (
     ("asynclock check, after (compact)", unsized(check_after), False),
     ("asynclock check, before (rows every call)", unsized(check_before), False),
     ("asynclock check, ranks differ (compact + rows)", unsized(check_rows), False),
-    ("asynclock allreduce, flat", asynclock_allreduce, True),
-    ("asynclock allreduce, node window + stripes", asynclock_allreduce_hier, True),
+    ("asynclock allreduce, flat (ASYNCLOCK_WINDOW=0)", asynclock_allreduce, True),
+    ("asynclock allreduce, node window from 1 MiB (default)", asynclock_allreduce_hier, True),
     ("MPI_Allreduce, flat", mpi_allreduce, True),
     ("MPI_Allreduce, node leaders", mpi_allreduce_hier, True),
     ("MPI_Allreduce, ring (latency bound at scale)", ring, True),
