@@ -61,7 +61,8 @@ DECLARED: tuple[Setting, ...] = (
        "take.", agree=True),
     _s("WINDOW", "flag", "1", "Large allreduces through the node's shared-memory window "
        "where every node holds the same number of ranks, more than one: reduced there, "
-       "then across nodes over MPI, one slice per local rank (0: MPI's own allreduce).",
+       "then across nodes over MPI, one slice per local rank (0: MPI's own allreduce; "
+       "ASYNCLOCK_BULK=gloo also turns it off).",
        agree=True),
     _s("WINDOW_MIN_BYTES", "number", "1048576", "Smallest allreduce the node window takes "
        "(none below `ASYNCLOCK_THREAD_MIN_BYTES`: it runs in the wait thread).", agree=True),

@@ -12,6 +12,7 @@ from ..base.header import COMPACT_BYTES, combine
 from ..base.ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
+from .gloo_bulk import mode as gloo_mode
 from .heartbeat import MPIHeartbeats
 from .node_window import NodeWindow
 from .ring import ring_allreduce_half
@@ -258,8 +259,11 @@ class BulkChannel:
         self.name, self.rank, self.size = chan.name, chan.rank, chan.size
         self._c = chan.bulk
         self.gloo = gloo
+        # ASYNCLOCK_BULK=gloo asks for every large allreduce over gloo, so the
+        # window (whose step across nodes is MPI) stands aside.
+        windowed = settings.flag("ASYNCLOCK_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
-                                 _mpi_op) if settings.flag("ASYNCLOCK_WINDOW") else None
+                                 _mpi_op) if windowed else None
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
