@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ from mpijob import PROGRAMS, ROOT, Job, horovodrun_missing
 import asynclock
 from asynclock import launch
 from asynclock._core.runtime import elastic as core_elastic
-from asynclock._core.transports.horovod_elastic import ADDED, REMOVED
+from asynclock._core.transports.horovod_elastic import ADDED, REMOVED, driver_unreachable
 
 HOSTS = ("localhost", "127.0.0.1", "127.1")  # names of this machine, one slot each
 ADDED_HOST = "127.0.1"
@@ -315,3 +316,16 @@ def test_slurm_recipe_parses_and_lists_usable_nodes(tmp_path: Path) -> None:
     listed = subprocess.run(["bash", str(ROOT / "launch" / "slurm_hosts.sh")], env=env,
                             capture_output=True, text=True, timeout=30, check=True).stdout
     assert listed.split() == ["n1:2", "n3:2", "n6:2"]
+
+
+def test_a_rank_that_cannot_reach_the_driver_is_told_why() -> None:
+    """`driver_unreachable`: None without an elastic driver or when its rendezvous server
+    accepts; else what failed, naming the address (a cut-off rank then leaves the job)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}
+        assert driver_unreachable(env, 1.0) is None
+    why = driver_unreachable(env, 1.0)  # the server is closed: refused
+    assert why is not None and f"driver at 127.0.0.1:{port} does not answer" in why
+    assert driver_unreachable({}, 1.0) is None

@@ -317,3 +317,77 @@ def test_runner_across_hosts(rig: netrig_rig.Rig, name: str, tmp_path: Path) -> 
     backend = "HorovodBackend" if horovod else "MPIBackend"
     for r in range(2):
         assert job.detail(r, "hello") == f"{backend} nr1,nr2", job.explain()
+
+
+def first_of_each(job: LiveJob, pattern: str, ranks: list[int], timeout: float
+                  ) -> float | None:
+    """When the last of `ranks` printed its first line matching pattern.format(rank)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        seen = [hit[0] for r in ranks if (hit := job.first(pattern.format(r)))]
+        if len(seen) == len(ranks):
+            return max(seen)
+        time.sleep(0.2)
+    return None
+
+
+# -- elastic: a host cut off leaves, the others go on, the healed host comes back -----------
+ELASTIC_FAST = {"ASYNCLOCK_HEARTBEAT_S": "0.25", "ASYNCLOCK_DEAD_AFTER_S": "3",
+                "ASYNCLOCK_BACKEND": "horovod"}
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_elastic_three_hosts_one_cut_healed_and_re_added(rig: netrig_rig.Rig,
+                                                         tmp_path: Path) -> None:
+    """`asynclock.launch --elastic` (Horovod's elastic driver) on nr1 runs one rank on each
+    of nr1..nr3 (tests/programs/elastic_train.py). In step 8 nr3's link is cut: the
+    survivors name rank 2 after ASYNCLOCK_DEAD_AFTER_S, rank 2 finds the driver gone
+    and leaves, the discovery script stops listing nr3, and ranks 0 and 1 go on at 2
+    from the commit of step 6 in the processes they started in. Then nr3 is healed and
+    listed again: after Horovod's blacklist cooldown it joins at the next commit, and
+    the epoch ends at 3 ranks with every sample used once and the parameters of the
+    one-process replay (rank 0's check)."""
+    if why := horovodrun_missing(gloo=True):
+        pytest.skip(why)
+    fresh(rig, 3)
+    rig.common_nic("hvd0")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("nr1:1\nnr2:1\nnr3:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    argv = [sys.executable, "-m", "asynclock.launch", "--elastic", "-n", "3", "--min-np", "2",
+            "--max-np", "3", "--host-discovery-script", str(script),
+            "--launcher-arg=--network-interface", "--launcher-arg=hvd0",
+            "--launcher-arg=--blacklist-cooldown-range", "--launcher-arg=1",
+            "--launcher-arg=2", "--timeout", "240",
+            str(PROGRAMS / "elastic_train.py"), str(tmp_path), "--wait-for-cut"]
+    job = LiveJob([str(rig.netrig), "exec", "nr1", *argv],
+                  rig.launcher_env("system", ELASTIC_FAST))
+    try:
+        expect(job, "cut_me", [2])
+        rig.cut("nr3")
+        t_cut = time.monotonic()
+        hosts.write_text("nr1:1\nnr2:1\n")  # the cluster's discovery no longer lists it
+        (tmp_path / "cut").touch()
+        t_back = first_of_each(job, r"RANK {} OK world size=2 ", [0, 1], timeout=60)
+        rig.heal("nr3")
+        hosts.write_text("nr1:1\nnr2:1\nnr3:1\n")
+        job.finish(240)
+    finally:
+        stop(job)
+    assert job.returncode == 0, job.explain()
+    for rank in (0, 1):
+        assert re.search(rf"asynclock\[rank {rank}\]: rank 2 is unreachable: no heartbeat",
+                         job.output), job.explain()
+    assert re.search(r"asynclock\[rank 2\]: this rank leaves the job .*elastic driver at "
+                     r"\S+ does not answer", job.output), job.explain()
+    assert re.search(r"RANK 0 OK checked steps=\d+ sizes=3{6}2+3+ ", job.output), job.explain()
+    assert re.search(r"RANK 2 OK done pid=\d+ size=3", job.output), job.explain()
+    for rank in (0, 1):  # the survivors went on in the processes they started in
+        started = re.search(rf"RANK {rank} OK started pid=(\d+)", job.output)
+        assert started and f"RANK {rank} OK done pid={started[1]} " in job.output, job.explain()
+    assert t_back is not None, job.explain()
+    print(f"cut to both survivors' first step at 2 ranks: {t_back - t_cut:.1f} s")
+    assert not rig.leftovers(), job.explain()

@@ -3,7 +3,7 @@ mid-epoch, the survivors go on from the last commit, a host the discovery script
 joins at the next commit, and rank 0 checks the end against a one-process reference.
 
     elastic_train.py WORKDIR [--api hvd|async|horovod] [--kill-at STEP] [--kill-rank R]
-                     [--add-host NAME]
+                     [--wait-for-cut] [--add-host NAME]
 
 WORKDIR holds `hosts` (what the discovery script prints) and markers, so a rank that
 joins later neither dies again nor adds a host again. Each step every rank trains on
@@ -60,6 +60,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--cut-for", type=float, default=0.0,
                    help="the rank freezes instead (a host cut off) and dies S seconds later, "
                         "as when the launcher's session to a cut host ends")
+    p.add_argument("--wait-for-cut", action="store_true",
+                   help="the rank says `cut_me` and waits for WORKDIR/cut instead, then goes "
+                        "on: the test cuts its host's link meanwhile (netrig)")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
     return p.parse_args()
 
@@ -99,6 +102,12 @@ def maybe_die(args: argparse.Namespace, rank: int, size: int, step: int) -> None
     marker = args.workdir / "killed"
     if rank == args.kill_rank and size == 3 and step == args.kill_at and not marker.exists():
         marker.write_text("")
+        if args.wait_for_cut:
+            report(rank, "cut_me", f"at={time.time():.6f}")
+            deadline = time.monotonic() + 120
+            while not (args.workdir / "cut").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
         report(rank, "died", f"at={time.time():.6f}")
         if args.cut_for:
             subprocess.Popen(["sh", "-c", f"sleep {args.cut_for}; kill -9 {os.getpid()}"],

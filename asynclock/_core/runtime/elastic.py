@@ -50,7 +50,7 @@ from ..base import settings
 from ..base.backoff import Backoff, poll_until
 from ..base.errors import BackendError, HostsUpdatedInterrupt, RankFailedError
 from ..engine.progress import ProgressPolicy
-from ..transports.horovod_elastic import REMOVED, listen_for_host_updates
+from ..transports.horovod_elastic import REMOVED, driver_unreachable, listen_for_host_updates
 from . import coordinator as runtime
 from . import failure
 from .exits import EXIT_RANK_FAILED, hard_exit, write_stderr
@@ -143,6 +143,11 @@ def reform(lost: RankFailedError | None = None) -> runtime.Coordinator:
     rank = old.rank
     old.abandon(reason)
     what = f" after {lost}" if lost is not None else ""
+    cut_off = driver_unreachable(dict(os.environ), settings.number("ASYNCLOCK_DEAD_AFTER_S"))
+    if cut_off is not None:
+        write_stderr(f"asynclock[rank {rank}]: this rank leaves the job{what}: {cut_off}, "
+                     "so it is cut off; the others re-form without it\n")
+        hard_exit(EXIT_RANK_FAILED)
     try:
         new = _new_world(policy, lambda: _ended(rank, what))
     except Exception as exc:

@@ -27,6 +27,7 @@ _TCP = (socket.AF_INET, socket.AF_INET6)
 # HostUpdateResult's bits, as Horovod's driver sends them
 REMOVED, ADDED = 1, 2
 _RENDEZVOUS_ENV = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+_RENDEZVOUS_PORT_ENV = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
 
 class HostListener(Protocol):
@@ -42,6 +43,26 @@ def listen_for_host_updates(listener: HostListener, environ: dict[str, str]) -> 
     notification_manager.init()
     notification_manager.register_listener(listener)
     return lambda: notification_manager.remove_listener(listener)
+
+
+def driver_unreachable(environ: dict[str, str], timeout: float) -> str | None:
+    """Why the elastic driver's rendezvous server cannot be reached from here (None
+    where it can, or where there is none).
+
+    A rank cut off from the others is usually cut off from the driver too. Its
+    next `hvd.init()` would wait in C for a rendezvous it cannot reach, and the
+    driver, which forms the next world only once every rank of the last one
+    came back or ended, would wait for it. Asked before that init, a connection
+    that does not open within `timeout` tells the rank to leave instead.
+    """
+    host, port = environ.get(_RENDEZVOUS_ENV), environ.get(_RENDEZVOUS_PORT_ENV)
+    if not host or not port:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return f"Horovod's elastic driver at {host}:{port} does not answer ({exc})"
+    return None
 
 
 # -- Horovod's gloo sockets outlive hvd.shutdown() ------------------------------------------
