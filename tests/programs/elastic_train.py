@@ -26,6 +26,7 @@ import argparse
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,8 +62,9 @@ def parse() -> argparse.Namespace:
                    help="the rank freezes instead (a host cut off) and dies S seconds later, "
                         "as when the launcher's session to a cut host ends")
     p.add_argument("--wait-for-cut", action="store_true",
-                   help="the rank says `cut_me` and waits for WORKDIR/cut instead, then goes "
-                        "on: the test cuts its host's link meanwhile (netrig)")
+                   help="in that step every rank waits for WORKDIR/cut_host; the rank on that "
+                        "host says `cut_me` and waits for WORKDIR/cut instead of dying, then "
+                        "goes on: the test cuts the host's link meanwhile (netrig)")
     p.add_argument("--add-host", default="", help="after the loss, rank 0 adds this host")
     return p.parse_args()
 
@@ -98,16 +100,25 @@ def epoch_over(state: Any) -> bool:
     return state.sampler.processed_num >= N_SAMPLES
 
 
+def wait_for_file(path: Path, limit_s: float = 120) -> str:
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.read_text().strip() if path.exists() else ""
+
+
 def maybe_die(args: argparse.Namespace, rank: int, size: int, step: int) -> None:
     marker = args.workdir / "killed"
-    if rank == args.kill_rank and size == 3 and step == args.kill_at and not marker.exists():
-        marker.write_text("")
-        if args.wait_for_cut:
+    if size != 3 or step != args.kill_at or marker.exists():
+        return
+    if args.wait_for_cut:  # the test names the host to cut once it knows where ranks run
+        if socket.gethostname() == wait_for_file(args.workdir / "cut_host"):
+            marker.write_text("")
             report(rank, "cut_me", f"at={time.time():.6f}")
-            deadline = time.monotonic() + 120
-            while not (args.workdir / "cut").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            return
+            wait_for_file(args.workdir / "cut")
+        return
+    if rank == args.kill_rank:
+        marker.write_text("")
         report(rank, "died", f"at={time.time():.6f}")
         if args.cut_for:
             subprocess.Popen(["sh", "-c", f"sleep {args.cut_for}; kill -9 {os.getpid()}"],
@@ -142,7 +153,8 @@ def after_step(state: Any, rank: int, size: int, batches: list[list[int]]) -> No
 # -- the drop-in API ---------------------------------------------------------------------
 def run_hvd(args: argparse.Namespace) -> Any:
     hvd.init()
-    report(hvd.rank(), "started", f"pid={os.getpid()} at={time.time():.6f}")
+    report(hvd.rank(), "started", f"pid={os.getpid()} host={socket.gethostname()} "
+           f"at={time.time():.6f}")
     data, model = dataset(), make_model()
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),

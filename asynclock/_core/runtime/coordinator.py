@@ -359,8 +359,8 @@ class Coordinator(Collectives, SyncPrimitives):
         if self is _global:
             settings.forget()
 
-    def abandon(self, error: BaseException) -> None:
-        """Leave this world without draining it: it lost a rank, or the job re-forms
+    def abandon(self, error: BaseException, lost: bool = True) -> None:
+        """Leave this world without draining it: it `lost` a rank, or the job re-forms
         (`runtime.elastic`). Every operation in flight, and every later call, fails
         with `error`; the loop thread, the watchdog and the backend stop (Horovod too,
         when asynclock started it), and the process goes on."""
@@ -377,7 +377,7 @@ class Coordinator(Collectives, SyncPrimitives):
         self._closed = True
         if self.watchdog is not None:
             self.watchdog.close()  # says `closing` unless it already gave its verdict
-        self.backend.shutdown()
+        self.backend.shutdown(lost=lost)
         if self is _global:
             settings.forget()
 

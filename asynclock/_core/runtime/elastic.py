@@ -141,7 +141,7 @@ def reform(lost: RankFailedError | None = None) -> runtime.Coordinator:
         hook(old)
     policy: ProgressPolicy = old.engine.policy
     rank = old.rank
-    old.abandon(reason)
+    old.abandon(reason, lost=lost is not None)
     what = f" after {lost}" if lost is not None else ""
     cut_off = driver_unreachable(dict(os.environ), settings.number("ASYNCLOCK_DEAD_AFTER_S"))
     if cut_off is not None:

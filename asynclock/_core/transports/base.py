@@ -96,7 +96,10 @@ class Backend(Protocol):
 
     def describe(self) -> str: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, lost: bool = False) -> None:
+        """Free what the backend holds; `lost`: the world is being abandoned and a
+        peer may never answer again, so nothing waits on one."""
+        ...
 
 
 def close_channel_of(channels: list[Any], channel: Any) -> None:

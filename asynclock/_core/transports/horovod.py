@@ -510,8 +510,13 @@ class HorovodBackend:
         return (f"horovod {horovod.__version__} ({self.controller} controller; headers over "
                 f"{headers}; pid {os.getpid()})")
 
-    def shutdown(self) -> None:
-        """Stop Horovod if we started it, then free our communicators."""
+    def shutdown(self, lost: bool = False) -> None:
+        """Stop Horovod if we started it, then free our communicators. When the world is
+        `lost`, gloo's connections end first: Horovod's shutdown waits for its background
+        loop, which may wait in a receive from a peer behind a cut link, where no reset
+        ever comes, until gloo's timeout (30 s)."""
+        if lost and self._gloo is not None:
+            self._gloo.end_connections()
         for ch in self._channels:
             ch.close()
         self._channels.clear()

@@ -101,5 +101,5 @@ class LocalBackend:
     def describe(self) -> str:
         return "local (world size 1, no MPI)"
 
-    def shutdown(self) -> None:
+    def shutdown(self, lost: bool = False) -> None:
         return None

@@ -239,7 +239,7 @@ class MPIBackend:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"
 
-    def shutdown(self) -> None:
+    def shutdown(self, lost: bool = False) -> None:
         """Free every communicator we duplicated; MPI itself stays up for the user."""
         for ch in self._channels:
             ch.close()
