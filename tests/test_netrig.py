@@ -338,7 +338,6 @@ ELASTIC_RECOVERY_S = 20.0
 
 
 @pytest.mark.horovod
-@pytest.mark.slow
 def test_elastic_three_hosts_one_cut_healed_and_re_added(rig: netrig_rig.Rig,
                                                          tmp_path: Path) -> None:
     """`asynclock.launch --elastic` (Horovod's elastic driver) on nr1 runs one rank on each
