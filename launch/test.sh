@@ -11,12 +11,20 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   export ASYNCLOCK_SETUP_HOROVOD=${ASYNCLOCK_SETUP_HOROVOD:-1}
 fi
 bash launch/setup.sh || { echo "[test] setup failed" >&2; exit 1; }
-.venv/bin/python mpi/doctor.py || true
-# Static checks first (seconds): lint, strict types, the declared layers.
+# The MPI doctor's report and the static checks (lint, strict types, the declared layers)
+# run side by side, about 10 s each; their reports print in that order.
+report=$(mktemp -d)
+(.venv/bin/python mpi/doctor.py >"$report/doctor" 2>&1 || true) &
+doctor=$!
 static=0
-.venv/bin/python -m ruff check asynclock tests || static=1
-.venv/bin/python -m mypy --strict asynclock || static=1
-.venv/bin/lint-imports --no-cache || static=1
+{
+  .venv/bin/python -m ruff check asynclock tests || static=1
+  .venv/bin/python -m mypy --strict asynclock || static=1
+  .venv/bin/lint-imports --no-cache || static=1
+} >"$report/static" 2>&1
+wait "$doctor"
+cat "$report/doctor" "$report/static"
+rm -rf "$report"
 [ "$static" = 0 ] || echo "[test] static checks failed (ruff, mypy --strict, import-linter)" >&2
 .venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider "$@" tests
 rc=$?

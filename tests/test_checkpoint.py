@@ -90,14 +90,14 @@ PHASES = [  # (victim, kill spec, sharded): every step of the protocol on each w
 
 @pytest.mark.mpi
 def test_sigkill_any_rank_any_moment(tmp_path: Path) -> None:
-    """20 jobs SIGKILLed mid-save (10 at random times, 10 at chosen protocol
+    """14 jobs SIGKILLed mid-save (4 at random times, 10 at chosen protocol
     steps): the newest complete set always loads and verifies, never a partial
-    one, and the next job resumes exactly from it."""
-    trials = [(seed % 2, f"time:{seed}", seed % 3 != 0) for seed in range(10)] + PHASES
+    one, and the next job resumes exactly from it (60 more random times with --long)."""
+    trials = [(seed % 2, f"time:{seed}", seed % 3 != 0) for seed in range(4)] + PHASES
     newest = -1
     for victim, spec, sharded in trials:
         newest = _trial(tmp_path, victim, spec, "pickle", sharded, newest)
-    assert newest >= 3, f"too few saves completed in 20 trials: {newest}"
+    assert newest >= 3, f"too few saves completed in 14 trials: {newest}"
 
 
 @pytest.mark.mpi

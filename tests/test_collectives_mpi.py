@@ -20,9 +20,13 @@ from mpijob import (
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (1, "trio"), (2, "asyncio"),
-                                           (2, "trio"), (3, "asyncio"), (3, "trio"),
-                                           (4, "asyncio")])
+LONG = pytest.mark.slow  # with --long: CI covers each loop and size in the other cases
+
+
+@pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), pytest.param(1, "trio", marks=LONG),
+                                          (2, "asyncio"), (2, "trio"),
+                                          pytest.param(3, "asyncio", marks=LONG), (3, "trio"),
+                                          (4, "asyncio")])
 def test_collectives_matrix(nranks: int, loop: str) -> None:
     args = ["--trio"] if loop == "trio" else []
     job = run_job("collectives_matrix.py", nranks, *args, timeout=240)
@@ -64,8 +68,9 @@ HOROVOD_LAUNCHES = [("mpirun", 2, "asyncio"), ("mpirun", 3, "trio"), ("horovodru
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("launch, nranks, loop", HOROVOD_LAUNCHES,
-                         ids=[f"{a}-{n}-{lp}" for a, n, lp in HOROVOD_LAUNCHES])
+@pytest.mark.parametrize("launch, nranks, loop", [
+    pytest.param(*case, marks=LONG if case == ("mpirun", 2, "asyncio") else [],
+                 id="-".join(map(str, case))) for case in HOROVOD_LAUNCHES])
 def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None:
     """Data stages over Horovod handles, headers over MPI (over Horovod under gloo).
 

@@ -16,8 +16,15 @@ from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def loops_and_sizes(in_ci: set[tuple[str, int]]) -> pytest.MarkDecorator:
+    """Both loops at 2 and 3 ranks; the pairs not `in_ci` run with --long (CI runs each
+    loop and each size once per backend)."""
+    return pytest.mark.parametrize("loop, nranks", [
+        pytest.param(loop, n, marks=[] if (loop, n) in in_ci else [pytest.mark.slow])
+        for loop in ("asyncio", "trio") for n in (2, 3)])
+
+
+@loops_and_sizes({("asyncio", 2), ("trio", 3)})
 def test_error_trials_mpi(nranks: int, loop: str) -> None:
     args = ["--trials", "200"] + (["--trio"] if loop == "trio" else [])
     job = run_job("error_trials.py", nranks, *args, timeout=180, env=STRAY)
@@ -35,8 +42,7 @@ def test_error_trials_on_the_other_mpi(kind: str) -> None:
     assert "mpi: 100 trials" in job.output, job.explain()
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@loops_and_sizes({("trio", 2), ("asyncio", 3)})
 def test_error_trials_horovod(nranks: int, loop: str) -> None:
     kind, why = horovod_status()
     if why:

@@ -192,10 +192,10 @@ def _wait_gone(token: str) -> list[int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_timeout_kills_the_whole_job(kind: str) -> None:
     token = f"hang-{uuid.uuid4().hex}"
-    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "12", HELLO, "--hang", token)
+    done = run_launcher("-n", "2", "--runner", kind, "--timeout", "8", HELLO, "--hang", token)
     assert done.returncode == launch.TIMEOUT_EXIT, explain(done)
     assert "[0] hanging 0" in done.stdout and "[1] hanging 1" in done.stdout, explain(done)
-    assert "timeout after 12s" in done.stderr
+    assert "timeout after 8s" in done.stderr
     assert not _wait_gone(token)
 
 
