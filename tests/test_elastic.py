@@ -120,7 +120,6 @@ def test_a_killed_rank_leaves_and_an_added_host_joins(tmp_path: Path) -> None:
 
 
 @pytest.mark.horovod
-@pytest.mark.slow
 def test_the_async_api_survives_a_reset_with_its_loop_and_side_tasks(tmp_path: Path) -> None:
     """`asynclock.run_elastic` with `coord.train_step`: the same, and a side task on the
     same loop keeps ticking through both resets (the new world is made in a thread)."""
@@ -157,7 +156,6 @@ def test_a_rank_cut_off_is_named_by_its_silence_and_left_behind(tmp_path: Path) 
 
 
 @pytest.mark.horovod
-@pytest.mark.slow
 def test_below_min_np_the_job_ends_naming_the_lost_rank(tmp_path: Path) -> None:
     """--min-np 3: after rank 2 dies the driver cannot re-form the job; it ends, and each
     survivor says why, naming the rank that was lost."""
