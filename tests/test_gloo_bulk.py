@@ -49,23 +49,30 @@ def test_no_rank_uses_gloo_unless_every_rank_imported_torch() -> None:
               "--no-torch-on-rank0")
 
 
-@pytest.mark.parametrize(("mpi_alone", "gloo_alone", "mpi_beside", "gloo_beside", "wins"), [
-    (10.0, 8.5, 10.5, 9.0, True),    # faster either way
-    (10.0, 9.5, 10.5, 10.0, False),  # 5% faster beside compute: not worth a second path
-    (7.0, 10.5, 14.9, 12.0, True),   # the rig's 4 MiB: MPI faster alone, its spin no core to spare
-    (10.0, 14.0, 10.5, 14.2, False), # a spare core (or IPoIB against InfiniBand): MPI
-    (10.0, 25.0, 20.0, 15.0, False), # beside compute better, but 2.5x slower alone
-    (10.0, 10.0, 12.0, 11.5, False), # about as fast both ways: MPI
+@pytest.mark.parametrize(("mpi_alone", "gloo_alone", "mpi_beside", "gloo_beside", "mpi_cpu",
+                          "gloo_cpu", "wins"), [
+    (10.0, 8.5, 10.5, 9.0, 10.0, 9.0, True),     # faster either way
+    (10.0, 9.5, 10.5, 10.0, 10.0, 9.0, False),   # 5% faster beside compute, as much CPU: MPI
+    (7.0, 10.5, 14.9, 12.0, 7.0, 3.0, True),     # the rig's 4 MiB: MPI faster alone, its spin
+                                                 # no core to spare
+    (10.0, 14.0, 10.5, 14.2, 10.0, 4.0, False),  # a spare core (or IPoIB against InfiniBand)
+    (10.0, 25.0, 20.0, 15.0, 10.0, 2.0, False),  # beside compute better, but 2.5x slower alone
+    (10.0, 10.0, 12.0, 11.5, 10.0, 9.0, False),  # about as fast both ways, as much CPU: MPI
+    (12.6, 7.2, 27.3, 26.1, 12.6, 2.5, True),    # the rig's 4 MiB under a short load: alike
+                                                 # beside it, but MPI spins a core throughout
+    (12.6, 7.2, 27.3, 30.5, 12.6, 2.5, False),   # lighter, but 12% slower beside compute
 ])
 def test_gloo_wins_beside_compute_without_losing_much_alone(
         mpi_alone: float, gloo_alone: float, mpi_beside: float, gloo_beside: float,
-        wins: bool) -> None:
-    """The probe's rule (regression: an idle-machine rule chose MPI for 4 MiB
-    buckets on the 2-host rig, and MPI's spinning wait thread took the core its
-    own backward needed: ~100 ms of CPU per MLP step)."""
+        mpi_cpu: float, gloo_cpu: float, wins: bool) -> None:
+    """The probe's rule. Regressions: an idle-machine rule, and later a short probe
+    load that hid the spin, chose MPI for 4 MiB buckets on the 2-host rig, and MPI's
+    spinning wait thread took the core its own backward needed: ~100 ms of CPU per
+    MLP step."""
     from asynclock._core.transports.gloo_bulk import _gloo_wins
 
-    assert _gloo_wins(mpi_alone, gloo_alone, mpi_beside, gloo_beside) is wins
+    assert _gloo_wins(mpi_alone, gloo_alone, mpi_beside, gloo_beside, mpi_cpu,
+                      gloo_cpu) is wins
 
 
 def test_the_probe_load_runs_beside_the_call_and_is_waited_for() -> None:

@@ -123,8 +123,8 @@ def measured_bulk_choice(job: LiveJob, n: int) -> None:
     bulks = {d.split(" | ")[1] if " | " in d else d for d in details}
     assert len(bulks) == 1, f"ranks chose differently: {bulks}\n" + job.explain()
     bulk = bulks.pop()
-    one = (r"gloo [\d.]+ ms \(beside compute [\d.]+\), "
-           r"MPI [\d.]+ ms \(beside compute [\d.]+\)")
+    one = (r"gloo [\d.]+ ms \(beside compute [\d.]+, CPU [\d.]+\), "
+           r"MPI [\d.]+ ms \(beside compute [\d.]+, CPU [\d.]+\)")
     figures = rf"4 MiB: {one}; 16 MiB: {one}"
     m = re.match(rf"bulk (gloo from (4|16) MiB|mpi) \(allreduce {figures}\)$", bulk)
     assert m, bulk
