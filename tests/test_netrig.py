@@ -354,7 +354,11 @@ def test_elastic_three_hosts_one_cut_healed_and_re_added(rig: netrig_rig.Rig,
     fresh(rig, 3)
     rig.common_nic("hvd0")
     hosts = tmp_path / "hosts"
-    hosts.write_text("nr1:1\nnr2:1\nnr3:1\n")
+
+    def discover(*names: str) -> None:  # what the discovery script prints, one slot each
+        hosts.write_text("".join(f"{h}:1\n" for h in names))
+
+    discover(*rig.hosts)
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
@@ -378,11 +382,11 @@ def test_elastic_three_hosts_one_cut_healed_and_re_added(rig: netrig_rig.Rig,
         expect(job, "cut_me", [cut])
         rig.cut(where[cut])
         t_cut = time.monotonic()
-        hosts.write_text("".join(f"{h}:1\n" for h in ("nr1", "nr2", "nr3") if h != where[cut]))
+        discover(*(h for h in rig.hosts if h != where[cut]))
         (tmp_path / "cut").touch()
         t_back = first_of_each(job, r"RANK {} OK world size=2 ", [0, 1], timeout=60)
         rig.heal(where[cut])
-        hosts.write_text("nr1:1\nnr2:1\nnr3:1\n")
+        discover(*rig.hosts)
         job.finish(240)
     finally:
         stop(job)
