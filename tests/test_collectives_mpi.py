@@ -94,8 +94,8 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("folds", "mixed_paths", "broadcast_barrier", "mid_size", "changed_tensor",
-               "cancelled_scope_still_issues", "yields")
+TINY_LABELS = ("folds", "mixed_paths", "deep_rounds", "broadcast_barrier", "mid_size",
+               "changed_tensor", "cancelled_scope_still_issues", "yields")
 
 
 def fastpath_built(kind: str = MPI_KIND) -> bool:
@@ -120,11 +120,25 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
                   timeout=120, env={"ASYNCLOCK_FASTPATH": "1" if path == "C" else "0"})
     assert_all_ok(job, nranks)
     assert f"OK folds {path}" in job.output, job.explain()
+    # One node, C built: compact rounds through shared memory (`_fastpath.c`'s node round).
+    rounds = "round_node" if path == "C" else "round_python"
+    assert job.ok_lines(rounds) == set(range(nranks)), job.explain()
     labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "rows_only_when_asked",
                              "mismatch_in_the_spin", "cancel_after_hand_off")
                             if nranks > 1 else ())
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
+
+
+def test_small_allreduce_path_c_round_over_mpi() -> None:
+    """`ASYNCLOCK_NODE_ROUND=0`: the C compact round over MPI, as across nodes."""
+    if not fastpath_built():
+        pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
+    job = run_job("tiny_collectives.py", 2, timeout=120, env={"ASYNCLOCK_NODE_ROUND": "0"})
+    assert_all_ok(job, 2)
+    assert job.ok_lines("round_c") == {0, 1}, job.explain()
+    for label in TINY_LABELS + ("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off"):
+        assert job.ok_lines(label) == {0, 1}, f"{label}\n{job.explain()}"
 
 
 @pytest.mark.parametrize("kind", OTHER_KINDS)

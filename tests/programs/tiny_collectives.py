@@ -16,7 +16,7 @@ from _common import report, run
 
 import asynclock
 from asynclock import InvalidInputError, MismatchError
-from asynclock._core.engine import header_round
+from asynclock._core.engine import fastpath, header_round
 
 warnings.filterwarnings("ignore", "overflow", RuntimeWarning)  # wrapping is what we test
 
@@ -280,11 +280,37 @@ async def check_folds(c: asynclock.Coordinator) -> None:
     report(c.rank, "folds", "C" if fast else "python")
 
 
+async def check_node_round(c: asynclock.Coordinator) -> None:
+    """Which compact round this lane runs (the test compares it with the setup), and
+    three times as many rounds in flight as a node round has records: rank 0 starts
+    them all before any other rank starts one (they wait for its message), so its
+    later ones wait, unwritten, for their records, and all finish with the right sums."""
+    from mpi4py import MPI
+
+    lane = c._lane
+    kind = "node" if lane.node_round is not None else (
+        "c" if header_round.is_c(c._tiny._round) else "python")
+    report(c.rank, f"round_{kind}")
+    n = fastpath.NODE_DEPTH * 3
+    world = MPI.COMM_WORLD
+    if c.rank > 0:
+        world.recv(source=0, tag=77)  # blocks the loop on purpose: rank 0 runs alone
+    handles = [c.allreduce_async(torch.full((2,), float(c.rank + i))) for i in range(n)]
+    if c.rank == 0:
+        for peer in range(1, c.size):
+            world.send(None, dest=peer, tag=77)
+    for i, handle in enumerate(handles):
+        got = await handle
+        assert torch.equal(got, torch.full((2,), i * c.size + tri(c.size))), (i, got)
+    report(c.rank, "deep_rounds")
+
+
 async def main() -> None:
     async with asynclock.start() as c:
         before = c.small_path_statistics().calls
         await check_folds(c)
         await check_mixed_paths(c)
+        await check_node_round(c)
         await check_broadcast_barrier(c)
         await check_mid_size(c)
         if c.size > 1:

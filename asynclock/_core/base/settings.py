@@ -88,6 +88,9 @@ DECLARED: tuple[Setting, ...] = (
        "call fails with UnmatchedError)."),
     _s("FASTPATH", "flag", "1", "The C header round for small collectives (0: the Python "
        "one; the wire protocol is the same)."),
+    _s("NODE_ROUND", "flag", "1", "Where every rank of a channel is on one node, its compact "
+       "header rounds go through shared memory rather than MPI (C round only; 0: MPI).",
+       agree=True),
     # -- faults and stalls ------------------------------------------------------------------
     _s("HEARTBEAT_S", "number", "0.5", "Seconds between heartbeats."),
     _s("DEAD_AFTER_S", "number", "10", "A peer silent this long is taken for dead."),

@@ -135,6 +135,51 @@ static int compact_init(CompactRound *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* Write this rank's part of a compact round into `s`: the fingerprint of `key`'s
+ * call at `seq`, the fold code and the inline payload. Returns the fold code, or -2
+ * with a Python error set. */
+static int64_t fill_send(int64_t *s, PyObject *key_obj, long long seq, PyObject *data_obj) {
+    char *key;
+    Py_ssize_t klen;
+    if (PyBytes_AsStringAndSize(key_obj, &key, &klen) < 0) return -2;
+    if (klen != 16) { PyErr_Format(PyExc_ValueError, "bad compact key"); return -2; }
+    int64_t h, fold;
+    memcpy(&h, key, 8);
+    memcpy(&fold, key + 8, 8);
+    uint64_t fp = splitmix((uint64_t)h ^ (uint64_t)seq);
+    s[C_FP] = (int64_t)fp;
+    s[C_NOT_FP] = (int64_t)~fp;
+    s[C_FLAGS] = 0;
+    s[C_FOLD] = fold;
+    if (data_obj != Py_None) {
+        Py_buffer data;
+        if (PyObject_GetBuffer(data_obj, &data, PyBUF_C_CONTIGUOUS) < 0) return -2;
+        if (data.len > INLINE) {
+            PyBuffer_Release(&data);
+            PyErr_Format(PyExc_ValueError, "payload too big for a slot");
+            return -2;
+        }
+        memcpy(s + C_HEAD, data.buf, (size_t)data.len);
+        PyBuffer_Release(&data);
+    } else {
+        memset(s + C_HEAD, 0, INLINE);  /* a broadcast's non-root: OR with zeros */
+    }
+    return fold;
+}
+
+/* The verdict on a finished round's reduced words `r`, and the reduced payload
+ * copied into `out_obj` when every rank agreed and `copy` asks for it. */
+static PyObject *verdict(const int64_t *r, int64_t fold, long copy, PyObject *out_obj) {
+    if ((r[C_FP] & r[C_NOT_FP]) || r[C_FLAGS] || r[C_FOLD] != fold)
+        return PyLong_FromLong(DIFFERENT);
+    if (!copy) return PyLong_FromLong(DONE);
+    Py_buffer out;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    memcpy(out.buf, r + C_HEAD, (size_t)(out.len < INLINE ? out.len : INLINE));
+    PyBuffer_Release(&out);
+    return PyLong_FromLong(DONE_FOLDED);
+}
+
 /* exchange(key, seq, data, spin_s, copy, out) -> DONE_FOLDED | DIFFERENT | IN_FLIGHT | DONE
  * key: 16 bytes, the call's fingerprint key and fold code; copy: nonzero to copy the
  * reduced payload into `out` once every rank agreed. */
@@ -142,37 +187,15 @@ static PyObject *compact_exchange(CompactRound *self, PyObject *const *args, Py_
     if (nargs != 6) return PyErr_Format(PyExc_TypeError, "exchange takes 6 arguments");
     if (self->req != MPI_REQUEST_NULL)
         return PyErr_Format(PyExc_RuntimeError, "a round is still in flight");
-    char *key;
-    Py_ssize_t klen;
-    if (PyBytes_AsStringAndSize(args[0], &key, &klen) < 0) return NULL;
     long long seq = PyLong_AsLongLong(args[1]);
     double spin = PyFloat_AsDouble(args[3]);
     long copy = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    if (klen != 16) return PyErr_Format(PyExc_ValueError, "bad compact key");
-    int64_t h, fold;
-    memcpy(&h, key, 8);
-    memcpy(&fold, key + 8, 8);
-    int64_t *s = self->send;
-    uint64_t fp = splitmix((uint64_t)h ^ (uint64_t)seq);
-    s[C_FP] = (int64_t)fp;
-    s[C_NOT_FP] = (int64_t)~fp;
-    s[C_FLAGS] = 0;
-    s[C_FOLD] = fold;
-    if (args[2] != Py_None) {
-        Py_buffer data;
-        if (PyObject_GetBuffer(args[2], &data, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-        if (data.len > INLINE) {
-            PyBuffer_Release(&data);
-            return PyErr_Format(PyExc_ValueError, "payload too big for a slot");
-        }
-        memcpy(s + C_HEAD, data.buf, (size_t)data.len);
-        PyBuffer_Release(&data);
-    } else {
-        memset(s + C_HEAD, 0, INLINE);  /* a broadcast's non-root: OR with zeros */
-    }
+    int64_t fold = fill_send(self->send, args[0], seq, args[2]);
+    if (fold == -2) return NULL;
     double deadline = now() + spin;
-    int rc = MPI_Iallreduce(s, self->recv, 1, compact_type, compact_op, self->comm, &self->req);
+    int rc = MPI_Iallreduce(self->send, self->recv, 1, compact_type, compact_op, self->comm,
+                            &self->req);
     if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Iallreduce");
     int flag = 0;
     for (;;) {
@@ -182,15 +205,7 @@ static PyObject *compact_exchange(CompactRound *self, PyObject *const *args, Py_
         if (now() >= deadline) return PyLong_FromLong(IN_FLIGHT);
         if (yield_idle) sched_yield();
     }
-    const int64_t *r = self->recv;
-    if ((r[C_FP] & r[C_NOT_FP]) || r[C_FLAGS] || r[C_FOLD] != fold)
-        return PyLong_FromLong(DIFFERENT);
-    if (!copy) return PyLong_FromLong(DONE);
-    Py_buffer out;
-    if (PyObject_GetBuffer(args[5], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
-    memcpy(out.buf, r + C_HEAD, (size_t)(out.len < INLINE ? out.len : INLINE));
-    PyBuffer_Release(&out);
-    return PyLong_FromLong(DONE_FOLDED);
+    return verdict(self->recv, fold, copy, args[5]);
 }
 
 static PyObject *compact_give(CompactRound *self, PyObject *arg) {
@@ -232,6 +247,290 @@ static PyTypeObject CompactRoundType = {
     .tp_methods = compact_methods,
 };
 
+/* -- the compact round through the node's shared memory --------------------
+ * Where every rank of a channel is on one node, a compact round needs no MPI
+ * message: each rank writes its words into its record of a shared segment,
+ * reads every rank's record and folds them itself with `combine`, in rank
+ * order. Every rank folds the same bytes in the same order, so all get the
+ * same bits and the same verdict. MPI's non-blocking allreduce, even at two
+ * ranks on one node, costs more than the rest of a small call (figures: the
+ * benchmarks page); a round here is a few cache lines moving between cores.
+ *
+ * The segment (transports/node_segment.py makes it, zeroed): `depth` records
+ * per rank, each REC_BYTES: the number of the round written last (0: none),
+ * then COMPACT_WORDS words; after them, per rank, `depth` acks: the number of
+ * the round this rank last read from each record index. Round k (numbered from
+ * 1 on every rank, since every rank starts compact rounds in the same order)
+ * uses record index k % depth. A rank writes round k only once every rank has
+ * acked round k - depth there, so no record is overwritten before all have
+ * read it; until then the round stays unwritten and its request tests false.
+ * A record's words are written before its round number is stored (release)
+ * and read after it is loaded (acquire); an ack is stored after the reads.
+ */
+enum { REC_BYTES = 192 };  /* 8 + COMPACT_BYTES, rounded up to whole cache lines */
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    int rank, size;
+    int64_t depth;
+    int64_t rounds;  /* compact rounds started on this rank, by either path */
+    PyObject *owner;  /* keeps the mapping alive */
+} NodeRound;
+
+static int64_t *node_record(const NodeRound *n, int rank, int64_t k) {
+    return (int64_t *)(n->base + ((size_t)rank * (size_t)n->depth + (size_t)(k % n->depth))
+                                     * REC_BYTES);
+}
+
+static int64_t *node_ack(const NodeRound *n, int rank, int64_t k) {
+    int64_t *acks = (int64_t *)(n->base + (size_t)n->size * (size_t)n->depth * REC_BYTES);
+    return acks + (size_t)rank * (size_t)n->depth + (size_t)(k % n->depth);
+}
+
+/* Move round k on: write it once its record is free, then fold it into `recv`
+ * once every rank's words are there. 1: finished. */
+static int node_step(const NodeRound *n, int64_t k, const int64_t *send, int64_t *recv,
+                     int *written) {
+    if (!*written) {
+        if (k > n->depth)
+            for (int p = 0; p < n->size; p++)
+                if (__atomic_load_n(node_ack(n, p, k), __ATOMIC_ACQUIRE) < k - n->depth)
+                    return 0;
+        int64_t *mine = node_record(n, n->rank, k);
+        memcpy(mine + 1, send, COMPACT_WORDS * 8);
+        __atomic_store_n(mine, k, __ATOMIC_RELEASE);
+        *written = 1;
+    }
+    for (int p = 0; p < n->size; p++)
+        if (__atomic_load_n(node_record(n, p, k), __ATOMIC_ACQUIRE) != k) return 0;
+    int64_t lower[COMPACT_WORDS];
+    int one = 1;
+    memcpy(recv, node_record(n, 0, k) + 1, COMPACT_WORDS * 8);
+    for (int p = 1; p < n->size; p++) {  /* recv = recv (ranks < p) with rank p */
+        memcpy(lower, recv, COMPACT_WORDS * 8);
+        memcpy(recv, node_record(n, p, k) + 1, COMPACT_WORDS * 8);
+        combine(lower, recv, &one, &compact_type);
+    }
+    __atomic_store_n(node_ack(n, n->rank, k), k, __ATOMIC_RELEASE);
+    return 1;
+}
+
+static int node_round_init(NodeRound *self, PyObject *args, PyObject *kw) {
+    unsigned long long base, nbytes;
+    int rank, size;
+    long long depth;
+    PyObject *owner;
+    if (!PyArg_ParseTuple(args, "KKiiLO", &base, &nbytes, &rank, &size, &depth, &owner))
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size || depth < 2
+            || nbytes < (unsigned long long)size * (unsigned long long)depth * (REC_BYTES + 8)) {
+        PyErr_Format(PyExc_ValueError, "a node round segment too small for %d ranks", size);
+        return -1;
+    }
+    self->base = (char *)(uintptr_t)base;
+    self->rank = rank;
+    self->size = size;
+    self->depth = depth;
+    self->rounds = 0;
+    Py_INCREF(owner);
+    Py_XSETREF(self->owner, owner);
+    return 0;
+}
+
+static void node_round_dealloc(NodeRound *self) {
+    Py_CLEAR(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A request for one round: what the engine tests (`Test()`), like an MPI request. */
+typedef struct {
+    PyObject_HEAD
+    NodeRound *node;
+    int64_t k;
+    int written, done;
+    int64_t *send, *recv;
+    PyObject *send_obj, *recv_obj;  /* the arrays behind send and recv */
+} NodeRequest;
+
+static PyTypeObject NodeRequestType;
+
+static int words_of(PyObject *obj, int64_t **words) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
+    Py_ssize_t len = view.len;
+    *words = (int64_t *)view.buf;
+    PyBuffer_Release(&view);  /* the array object, held by the caller, keeps the memory */
+    if (len < COMPACT_WORDS * 8) {
+        PyErr_Format(PyExc_ValueError, "a compact buffer needs %d bytes", COMPACT_WORDS * 8);
+        return -1;
+    }
+    return 0;
+}
+
+static NodeRequest *node_request(NodeRound *node, int64_t k, int written, PyObject *send,
+                                 PyObject *recv) {
+    NodeRequest *req = PyObject_New(NodeRequest, &NodeRequestType);
+    if (req == NULL) return NULL;
+    req->node = node;
+    Py_INCREF(node);
+    req->k = k;
+    req->written = written;
+    req->done = 0;
+    req->send_obj = send;
+    req->recv_obj = recv;
+    Py_INCREF(send);
+    Py_INCREF(recv);
+    if (words_of(send, &req->send) < 0 || words_of(recv, &req->recv) < 0) {
+        Py_DECREF(req);
+        return NULL;
+    }
+    return req;
+}
+
+static void node_request_dealloc(NodeRequest *self) {
+    Py_CLEAR(self->node);
+    Py_CLEAR(self->send_obj);
+    Py_CLEAR(self->recv_obj);
+    PyObject_Free(self);
+}
+
+static PyObject *node_request_test(NodeRequest *self, PyObject *unused) {
+    if (!self->done)
+        self->done = node_step(self->node, self->k, self->send, self->recv, &self->written);
+    return PyBool_FromLong(self->done);
+}
+
+static PyMethodDef node_request_methods[] = {
+    {"Test", (PyCFunction)node_request_test, METH_NOARGS, "True once the round finished."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject NodeRequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.NodeRequest",
+    .tp_basicsize = sizeof(NodeRequest),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One compact round through the node's shared memory, until it finishes.",
+    .tp_dealloc = (destructor)node_request_dealloc,
+    .tp_methods = node_request_methods,
+};
+
+/* start(send, recv) -> NodeRequest: the general path's compact round; it is
+ * written at once where its record is free. */
+static PyObject *node_round_start(NodeRound *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "start takes 2 arguments");
+    NodeRequest *req = node_request(self, ++self->rounds, 0, args[0], args[1]);
+    if (req == NULL) return NULL;
+    req->done = node_step(self, req->k, req->send, req->recv, &req->written);
+    return (PyObject *)req;
+}
+
+static PyMethodDef node_round_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))node_round_start, METH_FASTCALL,
+     "Start the next compact round from `send`; its request folds into `recv`."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject NodeRoundType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.NodeRound",
+    .tp_basicsize = sizeof(NodeRound),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One channel's compact rounds through node shared memory: "
+              "NodeRound(address, nbytes, rank, size, depth, owner)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)node_round_init,
+    .tp_dealloc = (destructor)node_round_dealloc,
+    .tp_methods = node_round_methods,
+};
+
+/* The small-call path's round on a NodeRound: CompactRound's twin, same states. */
+typedef struct {
+    PyObject_HEAD
+    NodeRound *node;
+    PyObject *send_obj, *recv_obj;
+    int64_t *send, *recv;
+    int64_t k;  /* the round left in flight by the last exchange (0: none) */
+    int written;
+} NodeCompactRound;
+
+static int node_compact_init(NodeCompactRound *self, PyObject *args, PyObject *kw) {
+    PyObject *node, *send, *recv;
+    if (!PyArg_ParseTuple(args, "O!OO", &NodeRoundType, &node, &send, &recv)) return -1;
+    if (words_of(send, &self->send) < 0 || words_of(recv, &self->recv) < 0) return -1;
+    Py_INCREF(node);
+    Py_XSETREF(self->node, (NodeRound *)node);
+    Py_INCREF(send);
+    Py_XSETREF(self->send_obj, send);
+    Py_INCREF(recv);
+    Py_XSETREF(self->recv_obj, recv);
+    self->k = 0;
+    return 0;
+}
+
+static void node_compact_dealloc(NodeCompactRound *self) {
+    Py_CLEAR(self->node);
+    Py_CLEAR(self->send_obj);
+    Py_CLEAR(self->recv_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *node_compact_exchange(NodeCompactRound *self, PyObject *const *args,
+                                       Py_ssize_t nargs) {
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "exchange takes 6 arguments");
+    if (self->k) return PyErr_Format(PyExc_RuntimeError, "a round is still in flight");
+    long long seq = PyLong_AsLongLong(args[1]);
+    double spin = PyFloat_AsDouble(args[3]);
+    long copy = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t fold = fill_send(self->send, args[0], seq, args[2]);
+    if (fold == -2) return NULL;
+    NodeRound *node = self->node;
+    int64_t k = ++node->rounds;
+    int written = 0;
+    if (!node_step(node, k, self->send, self->recv, &written)) {
+        double deadline = now() + spin;
+        for (;;) {
+            if (yield_idle) sched_yield();
+            if (node_step(node, k, self->send, self->recv, &written)) break;
+            if (now() >= deadline) {
+                self->k = k;
+                self->written = written;
+                return PyLong_FromLong(IN_FLIGHT);
+            }
+        }
+    }
+    return verdict(self->recv, fold, copy, args[5]);
+}
+
+/* give() -> NodeRequest: the round left in flight, for the engine to finish. */
+static PyObject *node_compact_give(NodeCompactRound *self, PyObject *unused) {
+    if (!self->k) return PyErr_Format(PyExc_RuntimeError, "no round in flight");
+    NodeRequest *req = node_request(self->node, self->k, self->written, self->send_obj,
+                                    self->recv_obj);
+    self->k = 0;
+    return (PyObject *)req;
+}
+
+static PyMethodDef node_compact_methods[] = {
+    {"exchange", (PyCFunction)(void (*)(void))node_compact_exchange, METH_FASTCALL,
+     "Start the next compact round, spin, and copy the reduced payload when every rank "
+     "agreed."},
+    {"give", (PyCFunction)node_compact_give, METH_NOARGS,
+     "The round in flight, as a request the engine tests."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject NodeCompactRoundType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.NodeCompactRound",
+    .tp_basicsize = sizeof(NodeCompactRound),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The small-call path's round on a NodeRound: NodeCompactRound(node, send, recv)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)node_compact_init,
+    .tp_dealloc = (destructor)node_compact_dealloc,
+    .tp_methods = node_compact_methods,
+};
+
 static PyObject *set_yield(PyObject *module, PyObject *arg) {
     yield_idle = PyObject_IsTrue(arg);
     Py_RETURN_NONE;
@@ -246,11 +545,19 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1
                                     module_functions};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
-    if (PyType_Ready(&CompactRoundType) < 0) return NULL;
+    if (PyType_Ready(&CompactRoundType) < 0 || PyType_Ready(&NodeRoundType) < 0
+            || PyType_Ready(&NodeRequestType) < 0 || PyType_Ready(&NodeCompactRoundType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&CompactRoundType);
     if (PyModule_AddObject(m, "CompactRound", (PyObject *)&CompactRoundType) < 0) return NULL;
+    Py_INCREF(&NodeRoundType);
+    if (PyModule_AddObject(m, "NodeRound", (PyObject *)&NodeRoundType) < 0) return NULL;
+    Py_INCREF(&NodeCompactRoundType);
+    if (PyModule_AddObject(m, "NodeCompactRound", (PyObject *)&NodeCompactRoundType) < 0)
+        return NULL;
+    PyModule_AddIntConstant(m, "REC_BYTES", REC_BYTES);
     PyModule_AddIntConstant(m, "DONE_FOLDED", DONE_FOLDED);
     PyModule_AddIntConstant(m, "DIFFERENT", DIFFERENT);
     PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT);

@@ -122,8 +122,33 @@ def _load_quietly() -> ModuleType | None:
         return None
 
 
+# Records per rank in a node round's segment: how many compact rounds a rank may
+# start before every rank has read the oldest (more wait, unwritten, in their requests).
+NODE_DEPTH = 64
+
+
+def node_round_for(transport: Any) -> Any:
+    """Collective over the channel: a C `NodeRound` where every rank of it is on one
+    node, has the extension loaded and `ASYNCLOCK_NODE_ROUND` on; else None on
+    every rank (the compact round stays on MPI)."""
+    make = getattr(transport, "node_segment", None)
+    if make is None:
+        return None
+    mod = module()
+    wanted = mod is not None and settings.flag("ASYNCLOCK_NODE_ROUND")
+    rank_bytes = NODE_DEPTH * (mod.REC_BYTES + 8) if mod is not None else 0
+    segment = make(wanted, rank_bytes)
+    if segment is None or mod is None:
+        return None
+    return mod.NodeRound(segment.address, segment.nbytes, segment.rank, segment.size,
+                         NODE_DEPTH, segment)
+
+
 def take_request(rnd: Any) -> Any:
-    """The C round's request in flight, as an mpi4py Request the engine can own."""
+    """The C round's request in flight, as a request the engine can own: the node
+    round's own, or an mpi4py Request."""
+    if not isinstance(rnd, module().CompactRound):  # type: ignore[union-attr]
+        return rnd.give()
     from mpi4py import MPI
 
     req = MPI.Request()

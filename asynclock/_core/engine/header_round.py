@@ -158,23 +158,34 @@ def is_compact(transport: Any) -> bool:
     return bool(getattr(transport, "compact", False))
 
 
-def round_for(transport: Any, send: Array, recv: Array) -> Any:
-    """The compact round where the channel has one (C where built), else the rows
-    round on the channel's slot allgather. `send`/`recv`: COMPACT_WORDS each, or a
-    slot and `size` slots."""
+def node_round(transport: Any) -> Any:
+    """Collective: the channel's compact rounds through node shared memory (C), or
+    None on every rank (`fastpath.node_round_for`)."""
+    return fastpath.node_round_for(transport) if is_compact(transport) else None
+
+
+def round_for(transport: Any, send: Array, recv: Array, node: Any = None) -> Any:
+    """The compact round where the channel has one (through `node`, the lane's
+    `node_round`, where it has one; else C on MPI where built), else the rows round
+    on the channel's slot allgather. `send`/`recv`: COMPACT_WORDS each, or a slot
+    and `size` slots."""
     if not is_compact(transport):
         return PythonRound(transport.iallgather_slots, send, recv, transport.size)
+    if node is not None:
+        return fastpath.module().NodeCompactRound(node, send, recv)  # type: ignore[union-attr]
     c_round = fastpath.compact_round_for(transport, send, recv)
     if c_round is not None:
         return c_round
     return PythonCompactRound(transport.iallreduce_compact, send, recv)
 
 
-def compact_starter(transport: Any) -> Start | None:
+def compact_starter(transport: Any, node: Any = None) -> Start | None:
     """The general path's compact round `(send, recv) -> request`, or None (no compact
-    round on this channel)."""
+    round on this channel); through `node` where the lane has one, as its small calls."""
     if not is_compact(transport):
         return None
+    if node is not None:
+        return node.start  # type: ignore[no-any-return]
     start: Start | None = fastpath.compact_starter(transport)
     return start if start is not None else transport.iallreduce_compact
 

@@ -112,8 +112,10 @@ class Lane:
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
         self.synchronous = 0  # small calls finished inside the call (`Engine.count_synchronous`)
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
+        # Compact rounds through node shared memory (collective; None: over MPI).
+        self.node_round = header_round.node_round(transport)
         # The compact round's start (None: this channel has only the rows round).
-        self.compact_start = header_round.compact_starter(transport)
+        self.compact_start = header_round.compact_starter(transport, self.node_round)
         self.awaiting_rows = 0  # ops whose rows round waits for its turn
         self.rows_rounds = 0  # rows rounds issued here (all of them without a compact round)
 

@@ -127,7 +127,9 @@ class TinyCollectives:
         else:
             self._send = np.zeros(SLOT_WORDS, np.int64)
             self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
-        self._round = header_round.round_for(self._lane.transport, self._send, self._recv)
+        lane = self._lane
+        self._round = header_round.round_for(lane.transport, self._send, self._recv,
+                                             lane.node_round)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
         self._last_allreduce: tuple[Any, Any, Any, Signature | None] = (None, None, None, None)
 

@@ -58,6 +58,7 @@ from .horovod_elastic import GlooSockets
 from .horovod_mpi import check_launcher, check_mpi4py, horovod_mpi
 from .mailbox import AGREE, DATA, Address, Mailbox, MailboxPort
 from .mpi import MPIBackend, MPIChannel
+from .node_segment import NodeSegment
 
 Finish = Callable[[Any], None]
 Launch = Callable[[Any, str], int]  # (horovod.torch, op name) -> handle
@@ -206,6 +207,10 @@ class HorovodChannel:
     def iallreduce_compact(self, send: Array, recv: Array) -> Request:
         assert self.mpi is not None
         return self.mpi.iallreduce_compact(send, recv)
+
+    def node_segment(self, wanted: bool, rank_bytes: int) -> NodeSegment | None:
+        """Collective: the MPI channel's (`MPIChannel.node_segment`), where it has one."""
+        return None if self.mpi is None else self.mpi.node_segment(wanted, rank_bytes)
 
     def iallgather_slots(self, send: Array, recv: Array) -> Request:
         if self.mpi is not None:

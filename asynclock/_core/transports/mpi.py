@@ -14,6 +14,8 @@ from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
 from .gloo_bulk import mode as gloo_mode
 from .heartbeat import MPIHeartbeats
+from .node_segment import NodeSegment
+from .node_segment import make as make_segment
 from .node_window import NodeWindow
 from .ring import ring_allreduce_half
 
@@ -114,6 +116,11 @@ class MPIChannel:
         """The compact header round with mpi4py's op (`engine.fastpath` has a C one)."""
         kind, op = _compact_op()
         return self.hdr.Iallreduce([send, kind], [recv, kind], op)  # type: ignore[no-any-return]
+
+    def node_segment(self, wanted: bool, rank_bytes: int) -> NodeSegment | None:
+        """Collective: shared memory for the compact round where every rank of the
+        channel is on one node and wants it (`node_segment`)."""
+        return make_segment(self.hdr, wanted, rank_bytes)
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         return self.data.Iallreduce(  # type: ignore[no-any-return]

@@ -1,0 +1,96 @@
+"""A small shared-memory segment for a channel whose ranks are all on one node.
+
+The compact header round can then run through memory instead of MPI
+(`engine.fastpath`'s node round; the layout is `_fastpath.c`'s). The segment is
+a file in /dev/shm that the channel's rank 0 creates and every rank maps; it
+is unlinked as soon as all have mapped it, so it disappears with the last
+process, whichever way the job ends, and nothing needs freeing collectively
+(an `MPI_Win_free` would wait for ranks that died).
+
+Whether a channel gets one is agreed: every rank must want it (the caller's
+condition, e.g. the C round loaded), be on the channel's only node and map
+the file, or no rank uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class NodeSegment:
+    """A zeroed mapping shared by every rank of a channel."""
+
+    address: int
+    nbytes: int
+    rank: int
+    size: int
+    mapping: mmap.mmap
+    view: np.ndarray[Any, Any]  # exports the mapping (its address); keeps it mapped
+
+
+def make(comm: Any, wanted: bool, rank_bytes: int) -> NodeSegment | None:
+    """Collective over `comm`: a segment of `rank_bytes` per rank, or None on every
+    rank when any rank does not want one, the ranks span several nodes, or a
+    rank cannot map it."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    one_node = node.Get_size() == comm.Get_size()
+    node.Free()
+    if not comm.allreduce(bool(wanted and one_node and os.path.isdir(SHM_DIR)), op=MPI.LAND):
+        return None
+    nbytes = rank_bytes * comm.Get_size()
+    nbytes += -nbytes % mmap.PAGESIZE
+    path = _create(nbytes) if comm.Get_rank() == 0 else None
+    path = comm.bcast(path, root=0)
+    mapping = _map(path, nbytes) if path else None
+    mapped = comm.allreduce(mapping is not None, op=MPI.LAND)
+    if comm.Get_rank() == 0 and path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # every rank has it mapped, or none uses it
+    if not mapped:
+        if mapping is not None:
+            mapping.close()
+        return None
+    assert mapping is not None
+    view = np.frombuffer(mapping, np.uint8)
+    return NodeSegment(view.ctypes.data, nbytes, comm.Get_rank(), comm.Get_size(), mapping,
+                       view)
+
+
+def _create(nbytes: int) -> str | None:
+    try:
+        fd, path = tempfile.mkstemp(prefix="asynclock-round-", dir=SHM_DIR)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, nbytes)  # zero-filled: no round written, none read
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    return path
+
+
+def _map(path: str, nbytes: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, nbytes)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
