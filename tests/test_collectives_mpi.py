@@ -95,7 +95,7 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
 
 
 TINY_LABELS = ("folds", "mixed_paths", "deep_rounds", "broadcast_barrier", "mid_size",
-               "changed_tensor", "cancelled_scope_still_issues", "yields")
+               "changed_tensor", "hot_call", "cancelled_scope_still_issues", "yields")
 
 
 def fastpath_built(kind: str = MPI_KIND) -> bool:
@@ -123,6 +123,7 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
     # One node, C built: compact rounds through shared memory (`_fastpath.c`'s node round).
     rounds = "round_node" if path == "C" else "round_python"
     assert job.ok_lines(rounds) == set(range(nranks)), job.explain()
+    assert f"OK hot_call {path}" in job.output, job.explain()
     labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "rows_only_when_asked",
                              "mismatch_in_the_spin", "cancel_after_hand_off")
                             if nranks > 1 else ())

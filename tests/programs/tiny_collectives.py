@@ -195,6 +195,48 @@ async def check_changed_tensor(c: asynclock.Coordinator) -> None:
     report(c.rank, "changed_tensor")
 
 
+async def check_hot_call(c: asynclock.Coordinator) -> None:
+    """A tensor reduced in place twice in a row runs whole in C from its third call
+    (`_fastpath.c`'s HotAllreduce, where the round is C's); a change of its memory,
+    dtype or shape is seen there, and a shape changed on one rank only is still a
+    mismatch on every rank."""
+    n = float(c.size)
+
+    def hot_calls() -> int:
+        hot = c._tiny._hot  # remade when a round is handed off
+        return -1 if hot is None else int(hot.calls)
+
+    async def reduce(t: torch.Tensor, value: float, times: int = 3) -> None:
+        for _ in range(times):
+            t.fill_(value)
+            await c.allreduce_(t)
+            assert torch.equal(t, torch.full_like(t, value * n)), (t, value)
+
+    t = torch.ones(2)
+    await reduce(t, 1.0)
+    before = hot_calls()
+    await reduce(t, 2.0, 8)
+    runs_hot = hot_calls() - before >= 6  # all 8, but for a round handed off on a late rank
+    t.set_(torch.ones(2))  # new memory
+    await reduce(t, 3.0)
+    t.data = t.view(torch.int32)  # same memory, another dtype
+    await reduce(t, 1 << 24)  # as float32 bits, 2**-125: summed as floats, not 2 << 24
+    t.set_(torch.zeros(3, dtype=torch.int32))  # new memory, another shape
+    await reduce(t, 5)
+    u = torch.ones(4)
+    await reduce(u, 1.0)
+    if c.size > 1:
+        if c.rank == 0:
+            u.resize_(2)  # same memory, a shape the other ranks do not have
+        try:
+            await c.allreduce_(u)
+        except MismatchError:
+            pass
+        else:
+            raise AssertionError("a shape changed on rank 0 only was not a mismatch")
+    report(c.rank, f"hot_call {'C' if runs_hot else 'python'}")
+
+
 async def check_cancelled_scope_still_issues(c: asynclock.Coordinator) -> None:
     """Regression: the periodic yield once came before the issue, as a cancellation
     point, so every 64th call made in a cancelled scope was never issued on this
@@ -320,6 +362,7 @@ async def main() -> None:
             await check_mismatch_in_the_spin(c)
             await check_cancel_after_hand_off(c)
         await check_changed_tensor(c)
+        await check_hot_call(c)
         await check_cancelled_scope_still_issues(c)
         await check_yields(c)
         assert c.small_path_statistics().calls > before + 640

@@ -22,6 +22,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <mpi.h>
 #include <stdint.h>
 #include <string.h>
@@ -29,6 +30,8 @@
 #include <time.h>
 
 enum { DONE_FOLDED = 0, DIFFERENT = 1, IN_FLIGHT = 2, DONE = 3 };
+
+static PyObject *round_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* More ranks than cores on this host: a spinning rank gives its core to a peer
  * between tests (header_round.yield_when_idle), or the peer it waits for may
@@ -135,14 +138,12 @@ static int compact_init(CompactRound *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* Write this rank's part of a compact round into `s`: the fingerprint of `key`'s
- * call at `seq`, the fold code and the inline payload. Returns the fold code, or -2
- * with a Python error set. */
-static int64_t fill_send(int64_t *s, PyObject *key_obj, long long seq, PyObject *data_obj) {
-    char *key;
-    Py_ssize_t klen;
-    if (PyBytes_AsStringAndSize(key_obj, &key, &klen) < 0) return -2;
-    if (klen != 16) { PyErr_Format(PyExc_ValueError, "bad compact key"); return -2; }
+/* Write this rank's part of a compact round into `s`: the fingerprint of the call
+ * `key` (16 bytes: fingerprint key, fold code) names at `seq`, the fold code and the
+ * inline payload (NULL: zeros, a broadcast's non-root, OR'ed with the root's bytes).
+ * Returns the fold code. */
+static int64_t fill_words(int64_t *s, const char *key, long long seq, const void *data,
+                          size_t len) {
     int64_t h, fold;
     memcpy(&h, key, 8);
     memcpy(&fold, key + 8, 8);
@@ -151,61 +152,35 @@ static int64_t fill_send(int64_t *s, PyObject *key_obj, long long seq, PyObject 
     s[C_NOT_FP] = (int64_t)~fp;
     s[C_FLAGS] = 0;
     s[C_FOLD] = fold;
-    if (data_obj != Py_None) {
-        Py_buffer data;
-        if (PyObject_GetBuffer(data_obj, &data, PyBUF_C_CONTIGUOUS) < 0) return -2;
-        if (data.len > INLINE) {
-            PyBuffer_Release(&data);
-            PyErr_Format(PyExc_ValueError, "payload too big for a slot");
-            return -2;
-        }
-        memcpy(s + C_HEAD, data.buf, (size_t)data.len);
-        PyBuffer_Release(&data);
-    } else {
-        memset(s + C_HEAD, 0, INLINE);  /* a broadcast's non-root: OR with zeros */
-    }
+    if (data != NULL) memcpy(s + C_HEAD, data, len);
+    else memset(s + C_HEAD, 0, INLINE);
     return fold;
 }
 
-/* The verdict on a finished round's reduced words `r`, and the reduced payload
- * copied into `out_obj` when every rank agreed and `copy` asks for it. */
-static PyObject *verdict(const int64_t *r, int64_t fold, long copy, PyObject *out_obj) {
-    if ((r[C_FP] & r[C_NOT_FP]) || r[C_FLAGS] || r[C_FOLD] != fold)
-        return PyLong_FromLong(DIFFERENT);
-    if (!copy) return PyLong_FromLong(DONE);
-    Py_buffer out;
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
-    memcpy(out.buf, r + C_HEAD, (size_t)(out.len < INLINE ? out.len : INLINE));
-    PyBuffer_Release(&out);
-    return PyLong_FromLong(DONE_FOLDED);
+/* The verdict on a finished round's reduced words `r`; when every rank agreed and `out`
+ * is given, the reduced payload is copied into it (DONE_FOLDED). */
+static int judge(const int64_t *r, int64_t fold, void *out, size_t len) {
+    if ((r[C_FP] & r[C_NOT_FP]) || r[C_FLAGS] || r[C_FOLD] != fold) return DIFFERENT;
+    if (out == NULL) return DONE;
+    memcpy(out, r + C_HEAD, len < INLINE ? len : INLINE);
+    return DONE_FOLDED;
 }
 
-/* exchange(key, seq, data, spin_s, copy, out) -> DONE_FOLDED | DIFFERENT | IN_FLIGHT | DONE
- * key: 16 bytes, the call's fingerprint key and fold code; copy: nonzero to copy the
- * reduced payload into `out` once every rank agreed. */
-static PyObject *compact_exchange(CompactRound *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "exchange takes 6 arguments");
-    if (self->req != MPI_REQUEST_NULL)
-        return PyErr_Format(PyExc_RuntimeError, "a round is still in flight");
-    long long seq = PyLong_AsLongLong(args[1]);
-    double spin = PyFloat_AsDouble(args[3]);
-    long copy = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    int64_t fold = fill_send(self->send, args[0], seq, args[2]);
-    if (fold == -2) return NULL;
+/* Start the round whose words are in self->send and spin on it until `spin` seconds
+ * pass: DONE (reduced words in self->recv), IN_FLIGHT, or -1 with an error set. */
+static int compact_run(CompactRound *self, double spin) {
     double deadline = now() + spin;
     int rc = MPI_Iallreduce(self->send, self->recv, 1, compact_type, compact_op, self->comm,
                             &self->req);
-    if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Iallreduce");
+    if (rc != MPI_SUCCESS) { mpi_error(rc, "MPI_Iallreduce"); return -1; }
     int flag = 0;
     for (;;) {
         rc = MPI_Test(&self->req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Test");
-        if (flag) break;
-        if (now() >= deadline) return PyLong_FromLong(IN_FLIGHT);
+        if (rc != MPI_SUCCESS) { mpi_error(rc, "MPI_Test"); return -1; }
+        if (flag) return DONE;
+        if (now() >= deadline) return IN_FLIGHT;
         if (yield_idle) sched_yield();
     }
-    return verdict(self->recv, fold, copy, args[5]);
 }
 
 static PyObject *compact_give(CompactRound *self, PyObject *arg) {
@@ -231,7 +206,7 @@ static PyObject *start_compact(PyObject *module, PyObject *args) {
 }
 
 static PyMethodDef compact_methods[] = {
-    {"exchange", (PyCFunction)(void (*)(void))compact_exchange, METH_FASTCALL,
+    {"exchange", (PyCFunction)(void (*)(void))round_exchange, METH_FASTCALL,
      "Issue the compact round, spin, and copy the reduced payload when every rank agreed."},
     {"give", (PyCFunction)compact_give, METH_O, "Move the request in flight to an mpi4py Request."},
     {NULL, NULL, 0, NULL}};
@@ -474,32 +449,22 @@ static void node_compact_dealloc(NodeCompactRound *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *node_compact_exchange(NodeCompactRound *self, PyObject *const *args,
-                                       Py_ssize_t nargs) {
-    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "exchange takes 6 arguments");
-    if (self->k) return PyErr_Format(PyExc_RuntimeError, "a round is still in flight");
-    long long seq = PyLong_AsLongLong(args[1]);
-    double spin = PyFloat_AsDouble(args[3]);
-    long copy = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    int64_t fold = fill_send(self->send, args[0], seq, args[2]);
-    if (fold == -2) return NULL;
+/* compact_run's twin on the node's records. */
+static int node_run(NodeCompactRound *self, double spin) {
     NodeRound *node = self->node;
     int64_t k = ++node->rounds;
     int written = 0;
-    if (!node_step(node, k, self->send, self->recv, &written)) {
-        double deadline = now() + spin;
-        for (;;) {
-            if (yield_idle) sched_yield();
-            if (node_step(node, k, self->send, self->recv, &written)) break;
-            if (now() >= deadline) {
-                self->k = k;
-                self->written = written;
-                return PyLong_FromLong(IN_FLIGHT);
-            }
+    if (node_step(node, k, self->send, self->recv, &written)) return DONE;
+    double deadline = now() + spin;
+    for (;;) {
+        if (yield_idle) sched_yield();
+        if (node_step(node, k, self->send, self->recv, &written)) return DONE;
+        if (now() >= deadline) {
+            self->k = k;
+            self->written = written;
+            return IN_FLIGHT;
         }
     }
-    return verdict(self->recv, fold, copy, args[5]);
 }
 
 /* give() -> NodeRequest: the round left in flight, for the engine to finish. */
@@ -512,7 +477,7 @@ static PyObject *node_compact_give(NodeCompactRound *self, PyObject *unused) {
 }
 
 static PyMethodDef node_compact_methods[] = {
-    {"exchange", (PyCFunction)(void (*)(void))node_compact_exchange, METH_FASTCALL,
+    {"exchange", (PyCFunction)(void (*)(void))round_exchange, METH_FASTCALL,
      "Start the next compact round, spin, and copy the reduced payload when every rank "
      "agreed."},
     {"give", (PyCFunction)node_compact_give, METH_NOARGS,
@@ -531,6 +496,318 @@ static PyTypeObject NodeCompactRoundType = {
     .tp_methods = node_compact_methods,
 };
 
+/* -- both rounds behind one exchange() ----------------------------------- */
+
+/* The send and receive words of a CompactRound or NodeCompactRound; -1 with an
+ * error set when a round is still in flight there. */
+static int round_words(PyObject *rnd, int64_t **send, int64_t **recv) {
+    if (Py_IS_TYPE(rnd, &NodeCompactRoundType)) {
+        NodeCompactRound *n = (NodeCompactRound *)rnd;
+        if (n->k) { PyErr_Format(PyExc_RuntimeError, "a round is still in flight"); return -1; }
+        *send = n->send;
+        *recv = n->recv;
+        return 0;
+    }
+    CompactRound *c = (CompactRound *)rnd;
+    if (c->req != MPI_REQUEST_NULL) {
+        PyErr_Format(PyExc_RuntimeError, "a round is still in flight");
+        return -1;
+    }
+    *send = c->send;
+    *recv = c->recv;
+    return 0;
+}
+
+static int round_run(PyObject *rnd, double spin) {
+    if (Py_IS_TYPE(rnd, &NodeCompactRoundType)) return node_run((NodeCompactRound *)rnd, spin);
+    return compact_run((CompactRound *)rnd, spin);
+}
+
+/* exchange(key, seq, data, spin_s, copy, out) -> DONE_FOLDED | DIFFERENT | IN_FLIGHT | DONE
+ * key: 16 bytes, the call's fingerprint key and fold code; data: the inline payload
+ * (None: zeros); copy: nonzero to copy the reduced payload into `out` once every rank
+ * agreed. */
+static PyObject *round_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "exchange takes 6 arguments");
+    int64_t *send, *recv;
+    if (round_words(self, &send, &recv) < 0) return NULL;
+    char *key;
+    Py_ssize_t klen;
+    if (PyBytes_AsStringAndSize(args[0], &key, &klen) < 0) return NULL;
+    if (klen != 16) return PyErr_Format(PyExc_ValueError, "bad compact key");
+    long long seq = PyLong_AsLongLong(args[1]);
+    double spin = PyFloat_AsDouble(args[3]);
+    long copy = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t fold;
+    if (args[2] == Py_None) {
+        fold = fill_words(send, key, seq, NULL, 0);
+    } else {
+        Py_buffer data;
+        if (PyObject_GetBuffer(args[2], &data, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (data.len > INLINE) {
+            PyBuffer_Release(&data);
+            return PyErr_Format(PyExc_ValueError, "payload too big for a slot");
+        }
+        fold = fill_words(send, key, seq, data.buf, (size_t)data.len);
+        PyBuffer_Release(&data);
+    }
+    int state = round_run(self, spin);
+    if (state < 0) return NULL;
+    if (state != DONE) return PyLong_FromLong(state);
+    if (!copy) return PyLong_FromLong(judge(recv, fold, NULL, 0));
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[5], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    state = judge(recv, fold, out.buf, (size_t)out.len);
+    PyBuffer_Release(&out);
+    return PyLong_FromLong(state);
+}
+
+/* -- a repeated in-place small allreduce, whole -----------------------------
+ * Loops reduce the same small tensor again and again (a flag, a counter, a
+ * metric). engine.small_calls arms a HotAllreduce with such a call once it has
+ * seen the tensor twice in a row: in place, no name, inline and folded by the
+ * round. A call with the same tensor and op whose memory is provably the same
+ * (data pointer, dtype, device, shape, contiguity: the Python path's LastTensor
+ * checks) and while the engine's state lets the small path run (no observer, no
+ * failure, no matching, no CUDA gate: its `_view` checks) then runs here from the
+ * checks to the fold, with the same sequence numbers, words and counters as the
+ * Python path (TinyCollectives._exchange), which the rest falls back to: a round
+ * that did not fold goes on in `after(state, seq, issued_at, tensor)`, anything
+ * else in `slow(tensor, op, name, inplace)`. At two ranks this halves the call.
+ */
+static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_is_cpu,
+    *S_shape, *S_is_contiguous, *S_seq, *S_rounds, *S_spin_s, *S_synchronous,
+    *S_count_synchronous;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *slow, *after, *engine, *lane, *gates, *round;
+    PyObject *tensor, *op, *dtype, *shape;  /* the armed call (tensor NULL: none) */
+    char key[16];
+    long long ptr, bump;
+    Py_ssize_t nbytes;
+    long long calls;  /* calls that ran here (tests read it) */
+} HotAllreduce;
+
+static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
+    PyObject *slow, *after, *engine, *lane, *gates, *rnd;
+    if (!PyArg_ParseTuple(args, "OOOOO!O", &slow, &after, &engine, &lane, &PyDict_Type, &gates,
+                          &rnd))
+        return -1;
+    if (!Py_IS_TYPE(rnd, &CompactRoundType) && !Py_IS_TYPE(rnd, &NodeCompactRoundType)) {
+        PyErr_Format(PyExc_TypeError, "a HotAllreduce runs on a C compact round");
+        return -1;
+    }
+    PyObject *objs[6] = {slow, after, engine, lane, gates, rnd};
+    PyObject **slots[6] = {&self->slow, &self->after, &self->engine, &self->lane, &self->gates,
+                           &self->round};
+    for (int i = 0; i < 6; i++) {
+        Py_INCREF(objs[i]);
+        Py_XSETREF(*slots[i], objs[i]);
+    }
+    return 0;
+}
+
+static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
+    Py_VISIT(self->slow);
+    Py_VISIT(self->after);
+    Py_VISIT(self->engine);
+    Py_VISIT(self->lane);
+    Py_VISIT(self->gates);
+    Py_VISIT(self->round);
+    Py_VISIT(self->tensor);
+    Py_VISIT(self->op);
+    Py_VISIT(self->dtype);
+    Py_VISIT(self->shape);
+    return 0;
+}
+
+static int hot_clear(HotAllreduce *self) {
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->after);
+    Py_CLEAR(self->engine);
+    Py_CLEAR(self->lane);
+    Py_CLEAR(self->gates);
+    Py_CLEAR(self->round);
+    Py_CLEAR(self->tensor);
+    Py_CLEAR(self->op);
+    Py_CLEAR(self->dtype);
+    Py_CLEAR(self->shape);
+    return 0;
+}
+
+static void hot_dealloc(HotAllreduce *self) {
+    PyObject_GC_UnTrack(self);
+    hot_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* arm(tensor, op, data_ptr, dtype, shape, key, bump, nbytes) */
+static PyObject *hot_arm(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "arm takes 8 arguments");
+    char *key;
+    Py_ssize_t klen;
+    if (PyBytes_AsStringAndSize(args[5], &key, &klen) < 0) return NULL;
+    long long ptr = PyLong_AsLongLong(args[2]);
+    long long bump = PyLong_AsLongLong(args[6]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (klen != 16 || nbytes < 0 || nbytes > INLINE)
+        return PyErr_Format(PyExc_ValueError, "not a call for the hot path");
+    memcpy(self->key, key, 16);
+    self->ptr = ptr;
+    self->bump = bump;
+    self->nbytes = nbytes;
+    PyObject **slots[4] = {&self->tensor, &self->op, &self->dtype, &self->shape};
+    PyObject *objs[4] = {args[0], args[1], args[3], args[4]};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(objs[i]);
+        Py_XSETREF(*slots[i], objs[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1: `name` of `obj` is None; 0: not; -1: error */
+static int attr_is_none(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int none = v == Py_None;
+    Py_DECREF(v);
+    return none;
+}
+
+/* 1: the armed call may run here now; 0: the Python path takes it; -1: error */
+static int hot_ready(HotAllreduce *self, PyObject *obj) {
+    int ok = attr_is_none(self->engine, S_on_event);
+    if (ok != 1) return ok;
+    if ((ok = attr_is_none(self->engine, S_failure)) != 1) return ok;
+    if ((ok = attr_is_none(self->lane, S_matcher)) != 1) return ok;
+    int held = PyDict_Contains(self->gates, self->lane);
+    if (held != 0) return held < 0 ? -1 : 0;
+    PyObject *v = PyObject_CallMethodNoArgs(obj, S_data_ptr);
+    if (v == NULL) return -1;
+    long long ptr = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (ptr == -1 && PyErr_Occurred()) return -1;
+    if (ptr != self->ptr) return 0;
+    if ((v = PyObject_GetAttr(obj, S_dtype)) == NULL) return -1;
+    ok = v == self->dtype;
+    Py_DECREF(v);
+    if (!ok) return 0;
+    if ((v = PyObject_GetAttr(obj, S_is_cpu)) == NULL) return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok) return 0;
+    if ((v = PyObject_GetAttr(obj, S_shape)) == NULL) return -1;
+    ok = PyObject_RichCompareBool(v, self->shape, Py_EQ);
+    Py_DECREF(v);
+    if (ok != 1) return ok;
+    if ((v = PyObject_CallMethodNoArgs(obj, S_is_contiguous)) == NULL) return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    return ok;
+}
+
+/* obj.name += by; the new value in *out. 0, or -1 with an error set. */
+static int bump_attr(PyObject *obj, PyObject *name, long long by, long long *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    long long n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    n += by;
+    *out = n;
+    if (by == 0) return 0;
+    v = PyLong_FromLongLong(n);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* call(tensor, op, name, inplace): TinyCollectives.allreduce */
+static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *obj = nargs == 4 ? args[0] : NULL;
+    if (obj == NULL || obj != self->tensor || args[1] != self->op || args[2] != Py_None
+            || args[3] != Py_True)
+        return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
+    int ready = hot_ready(self, obj);
+    if (ready < 0) return NULL;
+    if (!ready) return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
+    int64_t *send, *recv;
+    if (round_words(self->round, &send, &recv) < 0) return NULL;
+    self->calls++;
+    long long seq, ignored;
+    if (bump_attr(self->lane, S_seq, self->bump, &seq) < 0) return NULL;
+    if (!self->bump) seq += 1;  /* a call that takes no W_SEQ carries the next one */
+    if (bump_attr(self->lane, S_rounds, 1, &ignored) < 0) return NULL;
+    PyObject *v = PyObject_GetAttr(self->lane, S_spin_s);
+    if (v == NULL) return NULL;
+    double spin = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (spin == -1.0 && PyErr_Occurred()) return NULL;
+    double issued_at = now();
+    void *data = (void *)(uintptr_t)self->ptr;
+    int64_t fold = fill_words(send, self->key, seq, data, (size_t)self->nbytes);
+    int state = round_run(self->round, spin);
+    if (state < 0) return NULL;
+    if (state == DONE) state = judge(recv, fold, data, (size_t)self->nbytes);
+    if (state != DONE_FOLDED)
+        return PyObject_CallFunction(self->after, "iLdO", state, seq, issued_at, obj);
+    long long n;
+    if (bump_attr(self->lane, S_synchronous, 1, &n) < 0) return NULL;
+    if (!(n & 7)) {
+        PyObject *at = PyFloat_FromDouble(issued_at);
+        if (at == NULL) return NULL;
+        PyObject *r = PyObject_CallMethodObjArgs(self->engine, S_count_synchronous, at,
+                                                 self->lane, NULL);
+        Py_DECREF(at);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    Py_INCREF(obj);
+    return obj;
+}
+
+static PyMethodDef hot_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))hot_call, METH_FASTCALL,
+     "TinyCollectives.allreduce(tensor, op, name, inplace), whole where armed."},
+    {"arm", (PyCFunction)(void (*)(void))hot_arm, METH_FASTCALL,
+     "arm(tensor, op, data_ptr, dtype, shape, key, bump, nbytes)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef hot_members[] = {
+    {"calls", T_LONGLONG, offsetof(HotAllreduce, calls), READONLY, "calls that ran here"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject HotAllreduceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.HotAllreduce",
+    .tp_basicsize = sizeof(HotAllreduce),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "HotAllreduce(slow, after, engine, lane, gates, round)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hot_init,
+    .tp_traverse = (traverseproc)hot_traverse,
+    .tp_clear = (inquiry)hot_clear,
+    .tp_dealloc = (destructor)hot_dealloc,
+    .tp_methods = hot_methods,
+    .tp_members = hot_members,
+};
+
+static int intern_names(void) {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&S_on_event, "on_event"}, {&S_failure, "failure"}, {&S_matcher, "matcher"},
+        {&S_data_ptr, "data_ptr"}, {&S_dtype, "dtype"}, {&S_is_cpu, "is_cpu"},
+        {&S_shape, "shape"}, {&S_is_contiguous, "is_contiguous"}, {&S_seq, "seq"},
+        {&S_rounds, "rounds"}, {&S_spin_s, "spin_s"}, {&S_synchronous, "synchronous"},
+        {&S_count_synchronous, "count_synchronous"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;
+    return 0;
+}
+
 static PyObject *set_yield(PyObject *module, PyObject *arg) {
     yield_idle = PyObject_IsTrue(arg);
     Py_RETURN_NONE;
@@ -546,7 +823,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&CompactRoundType) < 0 || PyType_Ready(&NodeRoundType) < 0
-            || PyType_Ready(&NodeRequestType) < 0 || PyType_Ready(&NodeCompactRoundType) < 0)
+            || PyType_Ready(&NodeRequestType) < 0 || PyType_Ready(&NodeCompactRoundType) < 0
+            || PyType_Ready(&HotAllreduceType) < 0 || intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -557,6 +835,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     Py_INCREF(&NodeCompactRoundType);
     if (PyModule_AddObject(m, "NodeCompactRound", (PyObject *)&NodeCompactRoundType) < 0)
         return NULL;
+    Py_INCREF(&HotAllreduceType);
+    if (PyModule_AddObject(m, "HotAllreduce", (PyObject *)&HotAllreduceType) < 0) return NULL;
     PyModule_AddIntConstant(m, "REC_BYTES", REC_BYTES);
     PyModule_AddIntConstant(m, "DONE_FOLDED", DONE_FOLDED);
     PyModule_AddIntConstant(m, "DIFFERENT", DIFFERENT);

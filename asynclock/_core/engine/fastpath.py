@@ -144,6 +144,14 @@ def node_round_for(transport: Any) -> Any:
                          NODE_DEPTH, segment)
 
 
+def hot_allreduce(slow: Any, after: Any, engine: Any, lane: Any, gates: Any, rnd: Any) -> Any:
+    """The C `HotAllreduce` on `rnd`, a C compact round; None where `rnd` is Python's."""
+    mod = module()
+    if mod is None or not isinstance(rnd, (mod.CompactRound, mod.NodeCompactRound)):
+        return None
+    return mod.HotAllreduce(slow, after, engine, lane, gates, rnd)
+
+
 def take_request(rnd: Any) -> Any:
     """The C round's request in flight, as a request the engine can own: the node
     round's own, or an mpi4py Request."""

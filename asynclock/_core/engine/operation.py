@@ -110,7 +110,7 @@ class Lane:
         self.uncollected: Operation | None = None  # the last named call finished, not taken
         self.queue: deque[Operation] = deque()
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
-        self.synchronous = 0  # small calls finished inside the call (`Engine.count_synchronous`)
+        self.synchronous = 0  # small calls finished inside the call (`engine.small_calls`)
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
         # Compact rounds through node shared memory (collective; None: over MPI).
         self.node_round = header_round.node_round(transport)

@@ -111,6 +111,8 @@ class Engine:
 
     def add_lane(self, lane: Lane) -> Lane:
         """Serve `lane` (a lane by name gets its filler rounds from here)."""
+        if lane.spin_s is None:
+            lane.spin_s = self.policy.spin_s  # read directly by `engine.small_calls`
         self.lanes.append(lane)
         lane.host = self
         return lane
@@ -171,16 +173,16 @@ class Engine:
         return self._adopt(op, op.poll())
 
     def count_synchronous(self, issued_at: float, lane: Lane | None = None) -> None:
-        """Account for an op that issued and finished inside one call (`engine.small_calls`)."""
-        self._issued += 1
-        self._completed += 1
+        """Sample a small op that issued and finished inside one call
+        (`engine.small_calls`), which counts it in `lane.synchronous` itself (every
+        call: the statistics add them up) and calls this every 8th time: it keeps
+        the poller's backoff fresh and teaches the lane's spin (`lane`; None for a
+        staged allreduce, whose time is reported after its data). The median
+        moves slowly, and timing every call is a measurable share of a small
+        collective."""
         self._backoff.reset(issued_at)
         if lane is not None:
-            # Every 8th call teaches the lane's spin: the median moves slowly, and
-            # timing every call is a measurable share of a small collective.
-            lane.synchronous += 1
-            if not lane.synchronous & 7:
-                self.note_latency(lane, time.perf_counter() - issued_at)
+            self.note_latency(lane, time.perf_counter() - issued_at)
 
     def adopt_issued(self, op: Operation, issued_at: float) -> None:
         """Take over an op whose first round was started outside `submit` (`engine.small_calls`)."""
@@ -260,6 +262,8 @@ class Engine:
     def retire_lane(self, lane: Lane) -> None:
         """Stop serving `lane` (nothing in flight on it): its wait thread ends too."""
         self.lanes.remove(lane)
+        self._issued += lane.synchronous  # the statistics keep its small calls
+        self._completed += lane.synchronous
         self._fillers.pop(lane, None)
         waiter = self._waiters.pop(lane, None) if self._waiters is not None else None
         if waiter is not None:
@@ -403,7 +407,9 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         in_flight = sum(not op.done for op in self.inflight)  # the poller reaps done ones
-        return EngineStatistics(in_flight, self._issued, self._completed,
+        synchronous = sum(lane.synchronous for lane in self.lanes)
+        return EngineStatistics(in_flight, self._issued + synchronous,
+                                self._completed + synchronous,
                                 self._detached, self._thread_waits, self.running)
 
     # -- for the watchdog (any thread) -------------------------------------------

@@ -63,9 +63,10 @@ from ..base.ops import (
 )
 from ..base.reduce import HALF, finish_average_inplace, fold
 from ..base.tensors import _NUMPY_CODES, _TORCH_CODES, Buffer, _torch_code, _torch_wrapper
-from . import header_round, staging
+from . import fastpath, header_round, staging
 from .collective_ops import AllreduceOp, BarrierOp, BroadcastOp
 from .handle import Handle
+from .header_round import DIFFERENT, DONE_FOLDED, IN_FLIGHT
 from .operation import Lane, Operation
 from .progress import Engine
 
@@ -132,13 +133,21 @@ class TinyCollectives:
                                              lane.node_round)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
         self._last_allreduce: tuple[Any, Any, Any, Signature | None] = (None, None, None, None)
+        # A repeated in-place allreduce runs whole in C where the round is C's
+        # (`_fastpath.c`'s HotAllreduce); it falls back to `_allreduce` for the rest.
+        self._hot = fastpath.hot_allreduce(self._allreduce, self._after_hot, self._engine, lane,
+                                           self._gates, self._round)
+        self._armed: tuple[Signature, tuple[Array, int, Any]] | None = None
+        self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
+            self._allreduce if self._hot is None else self._hot.call)
 
     def statistics(self) -> TinyStatistics:
         return TinyStatistics(self.calls, self.handed_off, self.data_handed_off,
                               self._lane.rows_rounds + (0 if self._compact else self.calls))
 
     # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
-    def allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
+    def _allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
+        """`allreduce`, where the C hot call does not take it."""
         if name:
             self._lane.claim(name)
         view = self._view(obj, inplace)
@@ -148,6 +157,8 @@ class TinyCollectives:
         hit = self._last_allreduce
         if hit[0] is view and hit[1] is op and hit[2] is name:
             sig = hit[3]  # the same tensor, op and name as the last call: no key to hash
+            if inplace and name is None and self._hot is not None:
+                self._arm(obj, op, sig, view)
         else:
             key = (Kind.ALLREDUCE, code, shape, op, name)
             sig = self._signatures.get(key, NOT_TINY)
@@ -161,6 +172,25 @@ class TinyCollectives:
         out = a if inplace else np.empty(shape, a.dtype)
         req = self._exchange(sig, a, out)
         return self._result(sig, obj, a, shape, out, inplace, req)
+
+    def _arm(self, obj: Any, op: Any, sig: Signature | None, view: tuple[Array, int, Any]
+             ) -> None:
+        """The same tensor twice in a row, in place: the C hot call takes its next
+        calls if its round folds it inline."""
+        if sig is not None and sig.op is None and sig.fold == 1 and self._last.tensor is obj:
+            last = self._last
+            assert self._hot is not None
+            self._hot.arm(obj, op, last.ptr, last.dtype, view[2], sig.header, sig.bump,
+                          view[0].nbytes)
+            self._armed = (sig, view)
+
+    def _after_hot(self, state: int, seq: int, issued_at: float, obj: Any) -> Any:
+        """The hot call's round did not fold (in flight, or ranks differ): go on as
+        `_allreduce` does from `_exchange`."""
+        assert self._armed is not None
+        self._seq, self._issued_at = seq, issued_at
+        sig, (a, _, shape) = self._armed
+        return self._result(sig, obj, a, shape, a, True, self._judged(state, sig, issued_at))
 
     def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
                           inplace: bool) -> Any:
@@ -251,22 +281,31 @@ class TinyCollectives:
         whole op (its time teaches the lane's spin); a staged allreduce reports its
         time after the data."""
         rnd, lane = self._round, self._lane
-        taught = lane if whole else None
         seq = self._seq = lane.seq + 1  # Lane.next_seq, inlined
         lane.seq += sig.bump
         lane.rounds += 1
         issued_at = self._issued_at = time.perf_counter()
-        state = rnd.exchange(sig.header, seq, data, self._engine.spin_for(lane),
+        state = rnd.exchange(sig.header, seq, data, lane.spin_s,
                              sig.fold if out is not None else 0, out)
-        if state == header_round.DONE_FOLDED:
-            self._engine.count_synchronous(issued_at, taught)
+        if state == DONE_FOLDED:  # the common case, inline
+            n = lane.synchronous = lane.synchronous + 1  # the engine's statistics count it
+            if not n & 7:
+                self._engine.count_synchronous(issued_at, lane)
             return FOLDED
-        if state == header_round.IN_FLIGHT:
-            return header_round.take_request(rnd)
-        if state == header_round.DIFFERENT and self._check(sig):
+        return self._judged(state, sig, issued_at, whole)
+
+    def _judged(self, state: int, sig: Signature, issued_at: float, whole: bool = True) -> Any:
+        """`_exchange`'s answer for a round that did not fold; a round that finished
+        here is counted, and every 8th teaches the lane's spin (`whole`)."""
+        if state == IN_FLIGHT:
+            return header_round.take_request(self._round)
+        if state == DIFFERENT and self._check(sig):
             return header_round.finished_request()  # a rank joined: the general path folds
-        self._engine.count_synchronous(issued_at, taught)
-        return None
+        lane = self._lane
+        n = lane.synchronous = lane.synchronous + 1
+        if not n & 7:
+            self._engine.count_synchronous(issued_at, lane if whole else None)
+        return FOLDED if state == DONE_FOLDED else None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,
                 inplace: bool, req: Any) -> Any:
