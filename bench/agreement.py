@@ -7,8 +7,11 @@ systems take turns round by round; each figure is the median of the rounds),
 and reports the header bytes each rank contributes and receives per checked
 call: one COMPACT_BYTES element reduced (the compact round) plus the rows
 rounds the lane actually ran, or, on a version without the compact round,
-a SLOT_BYTES slot gathered from every rank. Point PYTHONPATH at another
-checkout to measure that version in the same way.
+a SLOT_BYTES slot gathered from every rank. Where the compact round goes
+through node shared memory (`"round": "node"`), no header byte travels
+through MPI: a rank writes its record and reads every rank's, which the
+row gives as sent / received. Point PYTHONPATH at another checkout to
+measure that version in the same way.
 """
 
 from __future__ import annotations
@@ -50,13 +53,18 @@ async def blocking(fn: Callable[[], Any]) -> None:
     fn()
 
 
-def header_bytes(rows_per_call: float) -> tuple[int, float]:
-    """(bytes a rank sends, bytes it receives) in the header rounds of one call."""
+def header_bytes(rows_per_call: float, node_round: bool) -> tuple[int, float]:
+    """(bytes a rank sends, bytes it receives) in the header rounds of one call; for
+    a node round, the bytes of shared records it writes and reads (with each
+    record's round number)."""
     n = WORLD.Get_size()
     compact = getattr(header, "COMPACT_BYTES", None)
     if compact is None:  # every call gathers every rank's slot
         return header.SLOT_BYTES, header.SLOT_BYTES * n
     rows = rows_per_call * header.SLOT_BYTES
+    if node_round:
+        record = compact + 8
+        return int(record + rows), record * n + rows * n
     return int(compact + rows), compact + rows * n
 
 
@@ -78,10 +86,12 @@ async def main(args: argparse.Namespace) -> None:
                 samples[name].append(await timed(fn, args.calls))
         calls = stats().calls - calls_before
         rows = None if rows_before is None else stats().rows_rounds - rows_before
-        sent, received = header_bytes(0.0 if rows is None else rows / max(calls, 1))
+        node_round = getattr(getattr(coord, "_lane", None), "node_round", None) is not None
+        sent, received = header_bytes(0.0 if rows is None else rows / max(calls, 1), node_round)
         med = {name: statistics.median(s) for name, s in samples.items()}
         row = {"ranks": WORLD.Get_size(), "mpi": MPI.Get_library_version().split()[0],
-               "compact": rows is not None, "rows_rounds": rows, "checked_calls": calls,
+               "compact": rows is not None, "round": "node" if node_round else "mpi",
+               "rows_rounds": rows, "checked_calls": calls,
                "header_bytes_sent": sent, "header_bytes_received": received,
                **{f"{k}_us": round(v * 1e6, 2) for k, v in med.items()},
                "allreduce_ratio": round(med["asynclock_allreduce"] / med["mpi4py_allreduce"], 2)}
