@@ -234,6 +234,40 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
             pass
         else:
             raise AssertionError("a shape changed on rank 0 only was not a mismatch")
+    # numpy arrays: the hot call checks their buffer (pointer, format, shape, writable)
+    x = np.ones((2, 2), np.float32)
+
+    async def reduce_array(value: float, times: int = 3) -> None:
+        for _ in range(times):
+            x[...] = value
+            assert await c.allreduce_(x) is x and (x == value * n).all(), (x, value)
+
+    await reduce_array(1.0)
+    before = hot_calls()
+    await reduce_array(2.0, 2)
+    runs_hot = runs_hot and hot_calls() - before >= 1
+    x.dtype = np.int32  # same memory, another dtype
+    await reduce_array(1 << 24)
+    x.dtype = np.float32
+    await reduce_array(1.0)
+    x.flags.writeable = False
+    try:
+        await c.allreduce_(x)
+    except InvalidInputError:
+        pass
+    else:
+        raise AssertionError("a read-only array was reduced in place")
+    x.flags.writeable = True
+    await reduce_array(1.0)
+    if c.size > 1:
+        if c.rank == 0:
+            x.shape = (1, 4)  # same memory and rank, a shape the other ranks do not have
+        try:
+            await c.allreduce_(x)
+        except MismatchError:
+            pass
+        else:
+            raise AssertionError("an array reshaped on rank 0 only was not a mismatch")
     report(c.rank, f"hot_call {'C' if runs_hot else 'python'}")
 
 

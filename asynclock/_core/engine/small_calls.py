@@ -138,6 +138,7 @@ class TinyCollectives:
         self._hot = fastpath.hot_allreduce(self._allreduce, self._after_hot, self._engine, lane,
                                            self._gates, self._round)
         self._armed: tuple[Signature, tuple[Array, int, Any]] | None = None
+        self._seen_array: Array | None = None  # the last small array reduced in place
         self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
             self._allreduce if self._hot is None else self._hot.call)
 
@@ -165,6 +166,11 @@ class TinyCollectives:
             if sig is NOT_TINY:
                 sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
             self._last_allreduce = (view, op, name, sig)
+            if type(obj) is np.ndarray and inplace and name is None and self._hot is not None \
+                    and a.nbytes <= INLINE_BYTES:
+                if obj is self._seen_array:  # numpy views are new each call: no hit above
+                    self._arm(obj, op, sig, view)
+                self._seen_array = obj
         if sig is None:
             return NOT_TINY
         if sig.op is not None:
@@ -175,14 +181,20 @@ class TinyCollectives:
 
     def _arm(self, obj: Any, op: Any, sig: Signature | None, view: tuple[Array, int, Any]
              ) -> None:
-        """The same tensor twice in a row, in place: the C hot call takes its next
-        calls if its round folds it inline."""
-        if sig is not None and sig.op is None and sig.fold == 1 and self._last.tensor is obj:
-            last = self._last
-            assert self._hot is not None
-            self._hot.arm(obj, op, last.ptr, last.dtype, view[2], sig.header, sig.bump,
-                          view[0].nbytes)
-            self._armed = (sig, view)
+        """The same tensor or array twice in a row, in place: the C hot call takes its
+        next calls if its round folds it inline."""
+        if sig is None or sig.op is not None or sig.fold != 1:
+            return
+        a, _, shape = view
+        if type(obj) is np.ndarray:
+            ptr, dtype = a.ctypes.data, None  # the hot call checks the array's buffer
+        elif self._last.tensor is obj:
+            ptr, dtype = self._last.ptr, self._last.dtype
+        else:
+            return
+        assert self._hot is not None
+        self._hot.arm(obj, op, ptr, dtype, shape, sig.header, sig.bump, a.nbytes)
+        self._armed = (sig, view)
 
     def _after_hot(self, state: int, seq: int, issued_at: float, obj: Any) -> Any:
         """The hot call's round did not fold (in flight, or ranks differ): go on as
