@@ -42,6 +42,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--round-seconds", type=float, default=0.2)
     p.add_argument("--skip-idle", action="store_true")
+    p.add_argument("--fresh", action="store_true",
+                   help="also time a new tensor per call (as a loop reducing each step's "
+                        "loss does), for mpi4py and asynclock")
     p.add_argument("--link", default=None,
                    help="label of the network between hosts (e.g. 5gbit); in every JSON row")
     return p.parse_args()
@@ -113,7 +116,7 @@ class Systems:
         if self.hvd is not None:
             self.hvd.shutdown()
 
-    def make(self, nbytes: int) -> dict[str, Callable[[], Awaitable[Any]]]:
+    def make(self, nbytes: int, fresh: bool = False) -> dict[str, Callable[[], Awaitable[Any]]]:
         n = max(1, nbytes // 4)
         # Every system reduces torch-allocated memory, as training does: numpy asks
         # for huge pages on big arrays and torch does not, which alone moves a
@@ -125,6 +128,10 @@ class Systems:
             "mpi4py": sync_as_async(lambda: WORLD.Allreduce(MPI.IN_PLACE, arr)),
             "asynclock": lambda: self.coord.allreduce_(t),
         }
+        if fresh:
+            out["mpi4py-fresh"] = sync_as_async(
+                lambda: WORLD.Allreduce(MPI.IN_PLACE, torch.zeros(n).numpy()))
+            out["asynclock-fresh"] = lambda: self.coord.allreduce_(torch.zeros(n))
         if self.hvd is not None:
             hvd, ht = self.hvd, torch.zeros(n)
             out["horovod"] = sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))
@@ -224,7 +231,7 @@ async def main() -> None:
         rows = []
         async with systems.running():
             for nbytes in (int(s) for s in args.sizes.split(",")):
-                medians = await time_systems(systems.make(nbytes), args)
+                medians = await time_systems(systems.make(nbytes, args.fresh), args)
                 raw = medians["mpi4py"]
                 rows += [{"system": k, "bytes": nbytes, "seconds_median": v,
                           "ratio_to_raw": v / raw, "link": args.link}

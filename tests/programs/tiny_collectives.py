@@ -196,10 +196,11 @@ async def check_changed_tensor(c: asynclock.Coordinator) -> None:
 
 
 async def check_hot_call(c: asynclock.Coordinator) -> None:
-    """A tensor reduced in place twice in a row runs whole in C from its third call
-    (`_fastpath.c`'s HotAllreduce, where the round is C's); a change of its memory,
-    dtype or shape is seen there, and a shape changed on one rank only is still a
-    mismatch on every rank."""
+    """An in-place allreduce whose signature (input type, op, dtype, shape) was seen
+    before runs whole in C (`_fastpath.c`'s HotAllreduce, where the round is C's),
+    new tensor or not; a change of memory, dtype, shape, contiguity or writability
+    is seen there, and a shape changed on one rank only is still a mismatch on every
+    rank."""
     n = float(c.size)
 
     def hot_calls() -> int:
@@ -219,6 +220,11 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
     runs_hot = hot_calls() - before >= 6  # all 8, but for a round handed off on a late rank
     t.set_(torch.ones(2))  # new memory
     await reduce(t, 3.0)
+    before = hot_calls()
+    for i in range(4):  # a new tensor each call, as a loop's loss
+        fresh = torch.full((2,), float(i))
+        assert await c.allreduce_(fresh) is fresh and torch.equal(fresh, torch.full((2,), i * n))
+    runs_hot = runs_hot and hot_calls() - before >= 3
     t.data = t.view(torch.int32)  # same memory, another dtype
     await reduce(t, 1 << 24)  # as float32 bits, 2**-125: summed as floats, not 2 << 24
     t.set_(torch.zeros(3, dtype=torch.int32))  # new memory, another shape

@@ -563,18 +563,20 @@ static PyObject *round_exchange(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(state);
 }
 
-/* -- a repeated in-place small allreduce, whole -----------------------------
- * Loops reduce the same small tensor again and again (a flag, a counter, a
- * metric). engine.small_calls arms a HotAllreduce with such a call once it has
- * seen the tensor twice in a row: in place, no name, inline and folded by the
- * round. A call with the same tensor and op whose memory is provably the same
- * (data pointer, dtype, device, shape, contiguity: the Python path's LastTensor
- * checks) and while the engine's state lets the small path run (no observer, no
- * failure, no matching, no CUDA gate: its `_view` checks) then runs here from the
- * checks to the fold, with the same sequence numbers, words and counters as the
- * Python path (TinyCollectives._exchange), which the rest falls back to: a round
- * that did not fold goes on in `after(state, seq, issued_at, tensor)`, anything
- * else in `slow(tensor, op, name, inplace)`. At two ranks this halves the call.
+/* -- a small in-place allreduce, whole -------------------------------------
+ * Loops reduce small tensors in place step after step: a flag, a counter, a
+ * metric, each step's loss. engine.small_calls arms a HotAllreduce with the
+ * signature of such a call (in place, no name, folded inline by the round):
+ * the input's type, op, dtype and shape. A later call with a tensor or array of
+ * that signature, new or not, then runs here from the checks to the fold,
+ * with the same sequence numbers, words and counters as the Python path
+ * (TinyCollectives._exchange), while the engine's state lets the small path
+ * run (no observer, no failure, no matching, no CUDA gate). The input's checks
+ * are those of the Python path's `_view`: a torch tensor's device, dtype,
+ * shape and contiguity (its memory from data_ptr()), a numpy array's buffer
+ * (format, shape, contiguous, writable). Anything else falls back: a round that
+ * did not fold goes on in `after(state, seq, issued_at, tensor)`, other calls
+ * in `slow(tensor, op, name, inplace)`.
  */
 static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_is_cpu,
     *S_shape, *S_is_contiguous, *S_seq, *S_rounds, *S_spin_s, *S_synchronous,
@@ -583,9 +585,9 @@ static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_i
 typedef struct {
     PyObject_HEAD
     PyObject *slow, *after, *engine, *lane, *gates, *round;
-    PyObject *tensor, *op, *dtype, *shape;  /* the armed call (tensor NULL: none) */
+    PyObject *type, *op, *dtype, *shape;  /* the armed signature (type NULL: none) */
     char key[16];
-    long long ptr, bump;
+    long long bump;
     Py_ssize_t nbytes;
     char format[16];  /* a numpy array's buffer format ("": a torch tensor) */
     long long calls;  /* calls that ran here (tests read it) */
@@ -617,7 +619,7 @@ static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
     Py_VISIT(self->lane);
     Py_VISIT(self->gates);
     Py_VISIT(self->round);
-    Py_VISIT(self->tensor);
+    Py_VISIT(self->type);
     Py_VISIT(self->op);
     Py_VISIT(self->dtype);
     Py_VISIT(self->shape);
@@ -631,7 +633,7 @@ static int hot_clear(HotAllreduce *self) {
     Py_CLEAR(self->lane);
     Py_CLEAR(self->gates);
     Py_CLEAR(self->round);
-    Py_CLEAR(self->tensor);
+    Py_CLEAR(self->type);
     Py_CLEAR(self->op);
     Py_CLEAR(self->dtype);
     Py_CLEAR(self->shape);
@@ -644,37 +646,37 @@ static void hot_dealloc(HotAllreduce *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* arm(tensor, op, data_ptr, dtype, shape, key, bump, nbytes); a numpy array is armed
- * with dtype None and its checks are its buffer's (pointer, format, shape). */
+/* arm(example, op, dtype, shape, key, bump, nbytes): the signature of `example`, a
+ * torch tensor (dtype: its torch dtype) or a numpy array (dtype None: the format of
+ * its buffer is armed). */
 static PyObject *hot_arm(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "arm takes 8 arguments");
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "arm takes 7 arguments");
     char *key;
     Py_ssize_t klen;
-    if (PyBytes_AsStringAndSize(args[5], &key, &klen) < 0) return NULL;
-    long long ptr = PyLong_AsLongLong(args[2]);
-    long long bump = PyLong_AsLongLong(args[6]);
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[7]);
+    if (PyBytes_AsStringAndSize(args[4], &key, &klen) < 0) return NULL;
+    long long bump = PyLong_AsLongLong(args[5]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (klen != 16 || nbytes < 0 || nbytes > INLINE)
+    if (klen != 16 || nbytes < 0 || nbytes > INLINE || !PyTuple_Check(args[3]))
         return PyErr_Format(PyExc_ValueError, "not a call for the hot path");
-    self->format[0] = 0;
-    if (args[3] == Py_None) {
-        if (!PyTuple_CheckExact(args[4])) return PyErr_Format(PyExc_TypeError, "shape: a tuple");
+    char format[sizeof(self->format)] = "";
+    if (args[2] == Py_None) {
         Py_buffer view;
         if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT)
                 < 0)
             return NULL;
-        int fits = strlen(view.format) < sizeof(self->format);
-        if (fits) strcpy(self->format, view.format);
+        int fits = strlen(view.format) < sizeof(format) && view.format[0];
+        if (fits) strcpy(format, view.format);
         PyBuffer_Release(&view);
-        if (!fits) return PyErr_Format(PyExc_ValueError, "not a call for the hot path");
+        if (!fits || !PyTuple_CheckExact(args[3]))
+            return PyErr_Format(PyExc_ValueError, "not an array for the hot path");
     }
+    memcpy(self->format, format, sizeof(format));
     memcpy(self->key, key, 16);
-    self->ptr = ptr;
     self->bump = bump;
     self->nbytes = nbytes;
-    PyObject **slots[4] = {&self->tensor, &self->op, &self->dtype, &self->shape};
-    PyObject *objs[4] = {args[0], args[1], args[3], args[4]};
+    PyObject **slots[4] = {&self->type, &self->op, &self->dtype, &self->shape};
+    PyObject *objs[4] = {(PyObject *)Py_TYPE(args[0]), args[1], args[2], args[3]};
     for (int i = 0; i < 4; i++) {
         Py_INCREF(objs[i]);
         Py_XSETREF(*slots[i], objs[i]);
@@ -691,41 +693,30 @@ static int attr_is_none(PyObject *obj, PyObject *name) {
     return none;
 }
 
-/* 1: the armed numpy array has the same memory, dtype and shape, and may be written
- * (its buffer says all of it); 0: not, or -1 */
-static int numpy_same(HotAllreduce *self, PyObject *obj) {
+/* 1: `obj` (of the armed numpy type) has the armed format and shape, contiguous and
+ * writable; its memory in *ptr. 0: not, or -1 */
+static int array_fits(HotAllreduce *self, PyObject *obj, void **ptr) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();  /* no longer contiguous or writable: the Python path says so */
+        PyErr_Clear();  /* not contiguous or not writable: the Python path says so */
         return 0;
     }
-    int same = (uintptr_t)view.buf == (uintptr_t)self->ptr && view.len == self->nbytes
-               && strcmp(view.format, self->format) == 0
+    int same = view.len == self->nbytes && strcmp(view.format, self->format) == 0
                && view.ndim == PyTuple_GET_SIZE(self->shape);
     for (int i = 0; same && i < view.ndim; i++)
         same = PyLong_AsSsize_t(PyTuple_GET_ITEM(self->shape, i)) == view.shape[i];
+    *ptr = view.buf;  /* the array object, held by the caller, keeps the memory */
     PyBuffer_Release(&view);
     if (PyErr_Occurred()) return -1;
     return same;
 }
 
-/* 1: the armed call may run here now; 0: the Python path takes it; -1: error */
-static int hot_ready(HotAllreduce *self, PyObject *obj) {
-    int ok = attr_is_none(self->engine, S_on_event);
-    if (ok != 1) return ok;
-    if ((ok = attr_is_none(self->engine, S_failure)) != 1) return ok;
-    if ((ok = attr_is_none(self->lane, S_matcher)) != 1) return ok;
-    int held = PyDict_Contains(self->gates, self->lane);
-    if (held != 0) return held < 0 ? -1 : 0;
-    if (self->format[0]) return numpy_same(self, obj);
-    PyObject *v = PyObject_CallMethodNoArgs(obj, S_data_ptr);
+/* 1: `obj` (of the armed torch type) is on the CPU, contiguous, of the armed dtype and
+ * shape; its memory in *ptr. 0: not, or -1 */
+static int tensor_fits(HotAllreduce *self, PyObject *obj, void **ptr) {
+    PyObject *v = PyObject_GetAttr(obj, S_dtype);
     if (v == NULL) return -1;
-    long long ptr = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (ptr == -1 && PyErr_Occurred()) return -1;
-    if (ptr != self->ptr) return 0;
-    if ((v = PyObject_GetAttr(obj, S_dtype)) == NULL) return -1;
-    ok = v == self->dtype;
+    int ok = v == self->dtype;
     Py_DECREF(v);
     if (!ok) return 0;
     if ((v = PyObject_GetAttr(obj, S_is_cpu)) == NULL) return -1;
@@ -739,7 +730,24 @@ static int hot_ready(HotAllreduce *self, PyObject *obj) {
     if ((v = PyObject_CallMethodNoArgs(obj, S_is_contiguous)) == NULL) return -1;
     ok = v == Py_True;
     Py_DECREF(v);
-    return ok;
+    if (!ok) return 0;
+    if ((v = PyObject_CallMethodNoArgs(obj, S_data_ptr)) == NULL) return -1;
+    *ptr = PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    if (*ptr == NULL) return PyErr_Occurred() ? -1 : 0;
+    return 1;
+}
+
+/* 1: the call may run here now, with its memory in *ptr; 0: the Python path takes it;
+ * -1: error */
+static int hot_ready(HotAllreduce *self, PyObject *obj, void **ptr) {
+    int ok = attr_is_none(self->engine, S_on_event);
+    if (ok != 1) return ok;
+    if ((ok = attr_is_none(self->engine, S_failure)) != 1) return ok;
+    if ((ok = attr_is_none(self->lane, S_matcher)) != 1) return ok;
+    int held = PyDict_Contains(self->gates, self->lane);
+    if (held != 0) return held < 0 ? -1 : 0;
+    return self->format[0] ? array_fits(self, obj, ptr) : tensor_fits(self, obj, ptr);
 }
 
 /* obj.name += by; the new value in *out. 0, or -1 with an error set. */
@@ -762,10 +770,11 @@ static int bump_attr(PyObject *obj, PyObject *name, long long by, long long *out
 /* call(tensor, op, name, inplace): TinyCollectives.allreduce */
 static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *obj = nargs == 4 ? args[0] : NULL;
-    if (obj == NULL || obj != self->tensor || args[1] != self->op || args[2] != Py_None
-            || args[3] != Py_True)
+    if (obj == NULL || self->type == NULL || (PyObject *)Py_TYPE(obj) != self->type
+            || args[1] != self->op || args[2] != Py_None || args[3] != Py_True)
         return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
-    int ready = hot_ready(self, obj);
+    void *data = NULL;
+    int ready = hot_ready(self, obj, &data);
     if (ready < 0) return NULL;
     if (!ready) return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
     int64_t *send, *recv;
@@ -781,7 +790,6 @@ static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t 
     Py_DECREF(v);
     if (spin == -1.0 && PyErr_Occurred()) return NULL;
     double issued_at = now();
-    void *data = (void *)(uintptr_t)self->ptr;
     int64_t fold = fill_words(send, self->key, seq, data, (size_t)self->nbytes);
     int state = round_run(self->round, spin);
     if (state < 0) return NULL;
@@ -807,7 +815,7 @@ static PyMethodDef hot_methods[] = {
     {"call", (PyCFunction)(void (*)(void))hot_call, METH_FASTCALL,
      "TinyCollectives.allreduce(tensor, op, name, inplace), whole where armed."},
     {"arm", (PyCFunction)(void (*)(void))hot_arm, METH_FASTCALL,
-     "arm(tensor, op, data_ptr, dtype, shape, key, bump, nbytes)"},
+     "arm(example, op, dtype, shape, key, bump, nbytes)"},
     {NULL, NULL, 0, NULL}};
 
 static PyMemberDef hot_members[] = {

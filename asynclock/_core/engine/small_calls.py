@@ -137,8 +137,7 @@ class TinyCollectives:
         # (`_fastpath.c`'s HotAllreduce); it falls back to `_allreduce` for the rest.
         self._hot = fastpath.hot_allreduce(self._allreduce, self._after_hot, self._engine, lane,
                                            self._gates, self._round)
-        self._armed: tuple[Signature, tuple[Array, int, Any]] | None = None
-        self._seen_array: Array | None = None  # the last small array reduced in place
+        self._armed: Signature | None = None  # the signature the hot call runs
         self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
             self._allreduce if self._hot is None else self._hot.call)
 
@@ -158,50 +157,40 @@ class TinyCollectives:
         hit = self._last_allreduce
         if hit[0] is view and hit[1] is op and hit[2] is name:
             sig = hit[3]  # the same tensor, op and name as the last call: no key to hash
-            if inplace and name is None and self._hot is not None:
-                self._arm(obj, op, sig, view)
         else:
             key = (Kind.ALLREDUCE, code, shape, op, name)
             sig = self._signatures.get(key, NOT_TINY)
             if sig is NOT_TINY:
                 sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
             self._last_allreduce = (view, op, name, sig)
-            if type(obj) is np.ndarray and inplace and name is None and self._hot is not None \
-                    and a.nbytes <= INLINE_BYTES:
-                if obj is self._seen_array:  # numpy views are new each call: no hit above
-                    self._arm(obj, op, sig, view)
-                self._seen_array = obj
         if sig is None:
             return NOT_TINY
+        if inplace and name is None and self._hot is not None and self._armed is not sig:
+            self._arm(obj, op, sig, shape)
         if sig.op is not None:
             return self._allreduce_staged(sig, sig.op, obj, a, shape, inplace)
         out = a if inplace else np.empty(shape, a.dtype)
         req = self._exchange(sig, a, out)
         return self._result(sig, obj, a, shape, out, inplace, req)
 
-    def _arm(self, obj: Any, op: Any, sig: Signature | None, view: tuple[Array, int, Any]
-             ) -> None:
-        """The same tensor or array twice in a row, in place: the C hot call takes its
-        next calls if its round folds it inline."""
-        if sig is None or sig.op is not None or sig.fold != 1:
-            return
-        a, _, shape = view
-        if type(obj) is np.ndarray:
-            ptr, dtype = a.ctypes.data, None  # the hot call checks the array's buffer
-        elif self._last.tensor is obj:
-            ptr, dtype = self._last.ptr, self._last.dtype
-        else:
+    def _arm(self, obj: Any, op: Any, sig: Signature, shape: Any) -> None:
+        """An in-place call with no name whose round folds it inline: the C hot call
+        takes the next calls of its signature (input type, op, dtype, shape)."""
+        if sig.op is not None or sig.fold != 1:
             return
         assert self._hot is not None
-        self._hot.arm(obj, op, ptr, dtype, shape, sig.header, sig.bump, a.nbytes)
-        self._armed = (sig, view)
+        dtype = None if type(obj) is np.ndarray else obj.dtype  # an array: its buffer's
+        self._hot.arm(obj, op, dtype, shape, sig.header, sig.bump, sig.call.nbytes)
+        self._armed = sig
 
     def _after_hot(self, state: int, seq: int, issued_at: float, obj: Any) -> Any:
         """The hot call's round did not fold (in flight, or ranks differ): go on as
         `_allreduce` does from `_exchange`."""
         assert self._armed is not None
         self._seq, self._issued_at = seq, issued_at
-        sig, (a, _, shape) = self._armed
+        sig, view = self._armed, self._view(obj, True)
+        assert view is not None  # the hot call checked what `_view` checks
+        a, _, shape = view
         return self._result(sig, obj, a, shape, a, True, self._judged(state, sig, issued_at))
 
     def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
