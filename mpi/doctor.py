@@ -79,7 +79,9 @@ try:
 except Exception as exc:
     loaded = repr(exc)
 print(json.dumps({"file": path.name, "built": path.exists(), "loads": loaded,
-                  "enabled": os.environ.get("ASYNCLOCK_FASTPATH", "1") != "0"}))
+                  "enabled": os.environ.get("ASYNCLOCK_FASTPATH", "1") != "0",
+                  "node_round": os.environ.get("ASYNCLOCK_NODE_ROUND", "1") != "0"
+                  and os.path.isdir("/dev/shm")}))
 """
 
 _HVD_PROBE = r"""
@@ -233,7 +235,9 @@ def render(rep: Report) -> str:
                  f"cuda_available={torch.get('cuda_available')}")
     fast = rep.get("fastpath", {})
     lines.append(f"C small-message path: {fast.get('file')} built={fast.get('built')} "
-                 f"loads={fast.get('loads')} enabled={fast.get('enabled')}"
+                 f"loads={fast.get('loads')} enabled={fast.get('enabled')} "
+                 f"node_round={fast.get('node_round')} (one-node jobs: header rounds in "
+                 f"/dev/shm)"
                  if "error" not in fast else f"C small-message path: {fast['error']}")
     lines += _render_horovod(hvd)
     lines += [f"WARNING: {w}" for w in rep.get("warnings", [])]
