@@ -13,7 +13,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import anyio.lowlevel
 import numpy as np
 
 from ..base import adasum
@@ -24,22 +23,10 @@ from ..engine import collective_ops as ops
 from ..engine.handle import Handle
 from ..engine.operation import Lane, Operation
 from ..engine.progress import Engine
-from ..engine.small_calls import NOT_TINY, YIELD_MASK, TinyCollectives
+from ..engine.small_calls import NOT_TINY, YIELD_MASK, TinyCollectives, yield_then
 from ..engine.staging import submit
 
-_PENDING = (Handle, types.CoroutineType)  # what `_allreduce_now` returns to await
-
-
-async def _yield_then(result: Any) -> Any:
-    """Every `YIELD_MASK + 1`th small call lets other tasks run once it has finished:
-    calls that all finish inside the spin would otherwise never let the loop run
-    anything else. After the issue, and shielded, so it is no cancellation point: a
-    call in a cancelled scope is issued like any other (tests/programs/
-    tiny_collectives.py checks it: check_cancelled_scope_still_issues). Twice, so a task whose
-    timer expired meanwhile runs too (see `SyncService.maybe_yield`)."""
-    await anyio.lowlevel.cancel_shielded_checkpoint()
-    await anyio.lowlevel.cancel_shielded_checkpoint()
-    return result
+_PENDING = (Handle, types.CoroutineType)  # what a small call may return to await
 
 
 class Collectives:
@@ -117,36 +104,27 @@ class Collectives:
     async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Any:
         """Reduce `tensor` across ranks into a new tensor."""
-        result = self._allreduce_now(tensor, op, name, False)
+        self._check_open()
+        result = self._tiny.allreduce(tensor, op, name, False)
+        if result is NOT_TINY:
+            return await self.allreduce_async(tensor, op, name=name)
         return (await result) if type(result) in _PENDING else result
 
     async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Any:
         """Reduce `tensor` across ranks in place and return it."""
-        result = self._allreduce_now(tensor, op, name, True)
+        # The small-call path counts the call and yields every YIELD_MASK + 1th itself
+        # (`TinyCollectives.allreduce`): a loop's flag or loss, reduced step after step,
+        # takes no more Python than this.
+        self._check_open()
+        result = self._tiny.allreduce(tensor, op, name, True)
+        if result is tensor:
+            return tensor
+        if result is NOT_TINY:
+            return await self.allreduce_async_(tensor, op, name=name)
         return (await result) if type(result) in _PENDING else result
 
-    def _allreduce_general(self, tensor: Any, op: ReduceOp | str, name: str | None,
-                           inplace: bool) -> Handle:
-        start = self.allreduce_async_ if inplace else self.allreduce_async
-        return start(tensor, op, name=name)
-
     # -- the small-message path (engine.small_calls) ---------------------------------
-    def _allreduce_now(self, tensor: Any, op: ReduceOp | str, name: str | None,
-                       inplace: bool) -> Any:
-        """`_now` for allreduce, spelled out: the most frequent small call (a loss,
-        a metric, a flag) skips the generic argument passing, a measurable share
-        of a small call."""
-        tiny = self._tiny
-        tiny.calls += 1
-        self._check_open()
-        result = tiny.allreduce(tensor, op, name, inplace)
-        if result is NOT_TINY:
-            return self._allreduce_general(tensor, op, name, inplace)
-        if not tiny.calls & YIELD_MASK and type(result) not in _PENDING:
-            return _yield_then(result)
-        return result
-
     def _now(self, small: Callable[..., Any], general: Callable[..., Handle], *args: Any) -> Any:
         """The result if a small call finished inside this call (`engine.small_calls`),
         else something to await: a `Handle`, or a coroutine that yields first.
@@ -161,7 +139,7 @@ class Collectives:
         if result is NOT_TINY:
             return general(*args)
         if not tiny.calls & YIELD_MASK and type(result) not in _PENDING:
-            return _yield_then(result)
+            return yield_then(result)
         return result
 
     # -- broadcast -------------------------------------------------------------

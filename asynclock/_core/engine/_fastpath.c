@@ -576,15 +576,17 @@ static PyObject *round_exchange(PyObject *self, PyObject *const *args, Py_ssize_
  * shape and contiguity (its memory from data_ptr()), a numpy array's buffer
  * (format, shape, contiguous, writable). Anything else falls back: a round that
  * did not fold goes on in `after(state, seq, issued_at, tensor)`, other calls
- * in `slow(tensor, op, name, inplace)`.
+ * in `slow(tensor, op, name, inplace)`. It counts the call in `tiny.calls` and
+ * yields every so often as the Python path does.
  */
 static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_is_cpu,
     *S_shape, *S_is_contiguous, *S_seq, *S_rounds, *S_spin_s, *S_synchronous,
-    *S_count_synchronous;
+    *S_count_synchronous, *S_calls;
 
 typedef struct {
     PyObject_HEAD
-    PyObject *slow, *after, *engine, *lane, *gates, *round;
+    PyObject *tiny, *yield_then, *slow, *after, *engine, *lane, *gates, *round;
+    long long yield_mask;  /* a call whose count has none of these bits set yields once */
     PyObject *type, *op, *dtype, *shape;  /* the armed signature (type NULL: none) */
     char key[16];
     long long bump;
@@ -593,19 +595,24 @@ typedef struct {
     long long calls;  /* calls that ran here (tests read it) */
 } HotAllreduce;
 
+/* HotAllreduce(tiny, yield_mask, yield_then, slow, after, engine, lane, gates, round):
+ * `tiny.calls` counts the calls; every call whose count has no bit of `yield_mask` set
+ * returns `yield_then(result)` to await. */
 static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
-    PyObject *slow, *after, *engine, *lane, *gates, *rnd;
-    if (!PyArg_ParseTuple(args, "OOOOO!O", &slow, &after, &engine, &lane, &PyDict_Type, &gates,
-                          &rnd))
+    PyObject *tiny, *yield_then, *slow, *after, *engine, *lane, *gates, *rnd;
+    long long mask;
+    if (!PyArg_ParseTuple(args, "OLOOOOOO!O", &tiny, &mask, &yield_then, &slow, &after, &engine,
+                          &lane, &PyDict_Type, &gates, &rnd))
         return -1;
     if (!Py_IS_TYPE(rnd, &CompactRoundType) && !Py_IS_TYPE(rnd, &NodeCompactRoundType)) {
         PyErr_Format(PyExc_TypeError, "a HotAllreduce runs on a C compact round");
         return -1;
     }
-    PyObject *objs[6] = {slow, after, engine, lane, gates, rnd};
-    PyObject **slots[6] = {&self->slow, &self->after, &self->engine, &self->lane, &self->gates,
-                           &self->round};
-    for (int i = 0; i < 6; i++) {
+    self->yield_mask = mask;
+    PyObject *objs[8] = {tiny, yield_then, slow, after, engine, lane, gates, rnd};
+    PyObject **slots[8] = {&self->tiny, &self->yield_then, &self->slow, &self->after,
+                           &self->engine, &self->lane, &self->gates, &self->round};
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(objs[i]);
         Py_XSETREF(*slots[i], objs[i]);
     }
@@ -613,6 +620,8 @@ static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
 }
 
 static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
+    Py_VISIT(self->tiny);
+    Py_VISIT(self->yield_then);
     Py_VISIT(self->slow);
     Py_VISIT(self->after);
     Py_VISIT(self->engine);
@@ -627,6 +636,8 @@ static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
 }
 
 static int hot_clear(HotAllreduce *self) {
+    Py_CLEAR(self->tiny);
+    Py_CLEAR(self->yield_then);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->after);
     Py_CLEAR(self->engine);
@@ -780,7 +791,8 @@ static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t 
     int64_t *send, *recv;
     if (round_words(self->round, &send, &recv) < 0) return NULL;
     self->calls++;
-    long long seq, ignored;
+    long long count, seq, ignored;
+    if (bump_attr(self->tiny, S_calls, 1, &count) < 0) return NULL;
     if (bump_attr(self->lane, S_seq, self->bump, &seq) < 0) return NULL;
     if (!self->bump) seq += 1;  /* a call that takes no W_SEQ carries the next one */
     if (bump_attr(self->lane, S_rounds, 1, &ignored) < 0) return NULL;
@@ -807,6 +819,7 @@ static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t 
         if (r == NULL) return NULL;
         Py_DECREF(r);
     }
+    if (!(count & self->yield_mask)) return PyObject_CallOneArg(self->yield_then, obj);
     Py_INCREF(obj);
     return obj;
 }
@@ -843,7 +856,7 @@ static int intern_names(void) {
         {&S_data_ptr, "data_ptr"}, {&S_dtype, "dtype"}, {&S_is_cpu, "is_cpu"},
         {&S_shape, "shape"}, {&S_is_contiguous, "is_contiguous"}, {&S_seq, "seq"},
         {&S_rounds, "rounds"}, {&S_spin_s, "spin_s"}, {&S_synchronous, "synchronous"},
-        {&S_count_synchronous, "count_synchronous"}};
+        {&S_count_synchronous, "count_synchronous"}, {&S_calls, "calls"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;
     return 0;

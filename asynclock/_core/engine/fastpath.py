@@ -144,12 +144,13 @@ def node_round_for(transport: Any) -> Any:
                          NODE_DEPTH, segment)
 
 
-def hot_allreduce(slow: Any, after: Any, engine: Any, lane: Any, gates: Any, rnd: Any) -> Any:
-    """The C `HotAllreduce` on `rnd`, a C compact round; None where `rnd` is Python's."""
+def hot_allreduce(rnd: Any, *args: Any) -> Any:
+    """The C `HotAllreduce` on `rnd`, a C compact round, made with `args` (see
+    `engine.small_calls`); None where `rnd` is Python's."""
     mod = module()
     if mod is None or not isinstance(rnd, (mod.CompactRound, mod.NodeCompactRound)):
         return None
-    return mod.HotAllreduce(slow, after, engine, lane, gates, rnd)
+    return mod.HotAllreduce(*args, rnd)
 
 
 def take_request(rnd: Any) -> Any:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import anyio.lowlevel
 import numpy as np
 
 from ..base.errors import BackendError
@@ -74,9 +75,21 @@ Array = np.ndarray[Any, Any]
 
 NOT_TINY: Any = object()  # "take the general path": nothing was issued
 FOLDED: Any = object()  # the round folded the result into `out` already
-# Every 64th call yields to the loop once it finished (`collectives._yield_then`).
+# Every 64th call yields to the loop once it finished (`yield_then`).
 YIELD_MASK = 63
 _MAX_SIGNATURES = 256  # names made per call (f"step{i}") must not grow the cache forever
+
+
+async def yield_then(result: Any) -> Any:
+    """Every `YIELD_MASK + 1`th small call lets other tasks run once it has finished:
+    calls that all finish inside the spin would otherwise never let the loop run
+    anything else. After the issue, and shielded, so it is no cancellation point: a
+    call in a cancelled scope is issued like any other (tests/programs/
+    tiny_collectives.py checks it: check_cancelled_scope_still_issues). Twice, so a task whose
+    timer expired meanwhile runs too (see `SyncService.maybe_yield`)."""
+    await anyio.lowlevel.cancel_shielded_checkpoint()
+    await anyio.lowlevel.cancel_shielded_checkpoint()
+    return result
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +148,9 @@ class TinyCollectives:
         self._last_allreduce: tuple[Any, Any, Any, Signature | None] = (None, None, None, None)
         # A repeated in-place allreduce runs whole in C where the round is C's
         # (`_fastpath.c`'s HotAllreduce); it falls back to `_allreduce` for the rest.
-        self._hot = fastpath.hot_allreduce(self._allreduce, self._after_hot, self._engine, lane,
-                                           self._gates, self._round)
+        self._hot = fastpath.hot_allreduce(self._round, self, YIELD_MASK, yield_then,
+                                           self._allreduce, self._after_hot, self._engine, lane,
+                                           self._gates)
         self._armed: Signature | None = None  # the signature the hot call runs
         self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
             self._allreduce if self._hot is None else self._hot.call)
@@ -147,7 +161,15 @@ class TinyCollectives:
 
     # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
     def _allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
-        """`allreduce`, where the C hot call does not take it."""
+        """`allreduce` where the C hot call does not take it: counts the call, and every
+        YIELD_MASK + 1th that finished here yields once (`yield_then`)."""
+        n = self.calls = self.calls + 1
+        result = self._allreduce_once(obj, op, name, inplace)
+        if n & YIELD_MASK or result is NOT_TINY or type(result) is Handle:
+            return result
+        return yield_then(result)
+
+    def _allreduce_once(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
         if name:
             self._lane.claim(name)
         view = self._view(obj, inplace)
@@ -191,7 +213,10 @@ class TinyCollectives:
         sig, view = self._armed, self._view(obj, True)
         assert view is not None  # the hot call checked what `_view` checks
         a, _, shape = view
-        return self._result(sig, obj, a, shape, a, True, self._judged(state, sig, issued_at))
+        result = self._result(sig, obj, a, shape, a, True, self._judged(state, sig, issued_at))
+        if self.calls & YIELD_MASK or type(result) is Handle:  # the hot call counted it
+            return result
+        return yield_then(result)
 
     def _allreduce_staged(self, sig: Signature, op: ReduceOp, obj: Any, a: Array, shape: Any,
                           inplace: bool) -> Any:
