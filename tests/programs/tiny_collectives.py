@@ -240,6 +240,32 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
             pass
         else:
             raise AssertionError("a shape changed on rank 0 only was not a mismatch")
+    # out of place and averages, new tensors each call: a new result, the input kept.
+    # The hot call holds one signature, so each kind runs several calls in a row.
+    before = hot_calls()
+    for i in range(4):
+        src = torch.full((3,), float(c.rank + i))
+        got = await c.allreduce(src)
+        assert got is not src and torch.equal(src, torch.full((3,), float(c.rank + i)))
+        assert torch.equal(got, torch.full((3,), i * n + tri(c.size))), (i, got)
+    for i in range(4):
+        avg = await c.allreduce(torch.full((2,), float(c.rank) + 0.1 * i, dtype=torch.float64),
+                                "average")
+        want = np.full(2, sum(r + 0.1 * i for r in range(c.size)) / c.size)
+        np.testing.assert_allclose(avg.numpy(), want, rtol=1e-12)
+        np.testing.assert_array_equal(avg.numpy(), (await c.allreduce(avg, "max")).numpy())
+    for i in range(4):
+        arr = np.full(2, float(c.rank + i), np.float32)
+        out = await c.allreduce(arr, "average")
+        assert out is not arr and (arr == c.rank + i).all(), arr
+        assert (out == np.float32(i * n + tri(c.size)) / np.float32(n)).all(), out
+    runs_hot = runs_hot and hot_calls() - before >= 6
+    for i in range(3):  # integer averages stay in Python: rounding toward zero
+        ints = torch.full((2,), -c.rank - 2 * i - 1, dtype=torch.int32)
+        await c.allreduce_(ints, "average")
+        total = sum(-r - 2 * i - 1 for r in range(c.size))
+        assert (ints == int(total / c.size)).all(), (ints, total)
+
     # numpy arrays: the hot call checks their buffer (pointer, format, shape, writable)
     x = np.ones((2, 2), np.float32)
 

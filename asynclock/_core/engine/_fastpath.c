@@ -588,6 +588,8 @@ typedef struct {
     PyObject *tiny, *yield_then, *slow, *after, *engine, *lane, *gates, *round;
     long long yield_mask;  /* a call whose count has none of these bits set yields once */
     PyObject *type, *op, *dtype, *shape;  /* the armed signature (type NULL: none) */
+    PyObject *inplace, *new_like;  /* Py_True, or Py_False with what makes the result */
+    int average;  /* ranks to divide a float sum by (0: not an average) */
     char key[16];
     long long bump;
     Py_ssize_t nbytes;
@@ -632,6 +634,8 @@ static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
     Py_VISIT(self->op);
     Py_VISIT(self->dtype);
     Py_VISIT(self->shape);
+    Py_VISIT(self->inplace);
+    Py_VISIT(self->new_like);
     return 0;
 }
 
@@ -648,6 +652,8 @@ static int hot_clear(HotAllreduce *self) {
     Py_CLEAR(self->op);
     Py_CLEAR(self->dtype);
     Py_CLEAR(self->shape);
+    Py_CLEAR(self->inplace);
+    Py_CLEAR(self->new_like);
     return 0;
 }
 
@@ -657,11 +663,16 @@ static void hot_dealloc(HotAllreduce *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* arm(example, op, dtype, shape, key, bump, nbytes): the signature of `example`, a
- * torch tensor (dtype: its torch dtype) or a numpy array (dtype None: the format of
- * its buffer is armed). */
+/* arm(example, op, dtype, shape, key, bump, nbytes, inplace, new_like, average): the
+ * signature of `example`, a torch tensor (dtype: its torch dtype) or a numpy array (dtype
+ * None: the format of its buffer is armed); out of place, `new_like(input)` makes the
+ * result; `average`: the ranks a float32/float64 sum is divided by (0: none). */
 static PyObject *hot_arm(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "arm takes 7 arguments");
+    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "arm takes 10 arguments");
+    long average = PyLong_AsLong(args[9]);
+    if (average == -1 && PyErr_Occurred()) return NULL;
+    if (args[7] != Py_True && (args[7] != Py_False || !PyCallable_Check(args[8])))
+        return PyErr_Format(PyExc_ValueError, "out of place needs new_like");
     char *key;
     Py_ssize_t klen;
     if (PyBytes_AsStringAndSize(args[4], &key, &klen) < 0) return NULL;
@@ -682,6 +693,15 @@ static PyObject *hot_arm(HotAllreduce *self, PyObject *const *args, Py_ssize_t n
         if (!fits || !PyTuple_CheckExact(args[3]))
             return PyErr_Format(PyExc_ValueError, "not an array for the hot path");
     }
+    int64_t fold;
+    memcpy(&fold, key + 8, 8);
+    if (average && fold != 1 && fold != 2)
+        return PyErr_Format(PyExc_ValueError, "only float sums are averaged here");
+    self->average = (int)average;
+    Py_INCREF(args[7]);
+    Py_XSETREF(self->inplace, args[7]);
+    Py_INCREF(args[8]);
+    Py_XSETREF(self->new_like, args[8]);
     memcpy(self->format, format, sizeof(format));
     memcpy(self->key, key, 16);
     self->bump = bump;
@@ -778,50 +798,86 @@ static int bump_attr(PyObject *obj, PyObject *name, long long by, long long *out
     return rc;
 }
 
+/* An average's finish: the float sum divided by the ranks, as numpy divides
+ * (reduce.finish_average_inplace), so every path gives the same bits. */
+static void divide_floats(void *p, Py_ssize_t nbytes, int64_t fold, int size) {
+    if (fold == 1) {
+        float *x = (float *)p, d = (float)size;
+        for (Py_ssize_t i = 0; i < nbytes / 4; i++) x[i] = x[i] / d;
+    } else {
+        double *x = (double *)p, d = (double)size;
+        for (Py_ssize_t i = 0; i < nbytes / 8; i++) x[i] = x[i] / d;
+    }
+}
+
 /* call(tensor, op, name, inplace): TinyCollectives.allreduce */
 static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *obj = nargs == 4 ? args[0] : NULL;
     if (obj == NULL || self->type == NULL || (PyObject *)Py_TYPE(obj) != self->type
-            || args[1] != self->op || args[2] != Py_None || args[3] != Py_True)
+            || args[1] != self->op || args[2] != Py_None || args[3] != self->inplace)
         return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
     void *data = NULL;
     int ready = hot_ready(self, obj, &data);
     if (ready < 0) return NULL;
     if (!ready) return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
+    PyObject *result = obj;  /* in place; else made before anything is counted, so
+                                 a failure to make it leaves nothing issued */
+    void *out = data;
+    if (self->inplace != Py_True) {
+        result = PyObject_CallOneArg(self->new_like, obj);
+        if (result == NULL) return NULL;
+        int fits = self->format[0] ? array_fits(self, result, &out)
+                                   : tensor_fits(self, result, &out);
+        if (fits != 1) {
+            Py_DECREF(result);
+            return fits < 0 ? NULL : PyErr_Format(PyExc_RuntimeError, "new_like misfits");
+        }
+    } else {
+        Py_INCREF(result);
+    }
     int64_t *send, *recv;
-    if (round_words(self->round, &send, &recv) < 0) return NULL;
-    self->calls++;
     long long count, seq, ignored;
-    if (bump_attr(self->tiny, S_calls, 1, &count) < 0) return NULL;
-    if (bump_attr(self->lane, S_seq, self->bump, &seq) < 0) return NULL;
-    if (!self->bump) seq += 1;  /* a call that takes no W_SEQ carries the next one */
-    if (bump_attr(self->lane, S_rounds, 1, &ignored) < 0) return NULL;
-    PyObject *v = PyObject_GetAttr(self->lane, S_spin_s);
-    if (v == NULL) return NULL;
-    double spin = PyFloat_AsDouble(v);
+    double spin = -1.0;
+    PyObject *v = NULL;
+    if (round_words(self->round, &send, &recv) < 0
+            || bump_attr(self->tiny, S_calls, 1, &count) < 0
+            || bump_attr(self->lane, S_seq, self->bump, &seq) < 0
+            || bump_attr(self->lane, S_rounds, 1, &ignored) < 0
+            || (v = PyObject_GetAttr(self->lane, S_spin_s)) == NULL
+            || ((spin = PyFloat_AsDouble(v)) == -1.0 && PyErr_Occurred())) {
+        Py_XDECREF(v);
+        Py_DECREF(result);
+        return NULL;
+    }
     Py_DECREF(v);
-    if (spin == -1.0 && PyErr_Occurred()) return NULL;
+    self->calls++;
+    if (!self->bump) seq += 1;  /* a call that takes no W_SEQ carries the next one */
     double issued_at = now();
     int64_t fold = fill_words(send, self->key, seq, data, (size_t)self->nbytes);
     int state = round_run(self->round, spin);
-    if (state < 0) return NULL;
-    if (state == DONE) state = judge(recv, fold, data, (size_t)self->nbytes);
-    if (state != DONE_FOLDED)
+    if (state < 0) { Py_DECREF(result); return NULL; }
+    if (state == DONE) state = judge(recv, fold, out, (size_t)self->nbytes);
+    if (state != DONE_FOLDED) {
+        Py_DECREF(result);
         return PyObject_CallFunction(self->after, "iLdO", state, seq, issued_at, obj);
+    }
+    if (self->average) divide_floats(out, self->nbytes, fold, self->average);
     long long n;
-    if (bump_attr(self->lane, S_synchronous, 1, &n) < 0) return NULL;
+    if (bump_attr(self->lane, S_synchronous, 1, &n) < 0) { Py_DECREF(result); return NULL; }
     if (!(n & 7)) {
         PyObject *at = PyFloat_FromDouble(issued_at);
-        if (at == NULL) return NULL;
-        PyObject *r = PyObject_CallMethodObjArgs(self->engine, S_count_synchronous, at,
-                                                 self->lane, NULL);
-        Py_DECREF(at);
-        if (r == NULL) return NULL;
+        PyObject *r = at == NULL ? NULL : PyObject_CallMethodObjArgs(
+            self->engine, S_count_synchronous, at, self->lane, NULL);
+        Py_XDECREF(at);
+        if (r == NULL) { Py_DECREF(result); return NULL; }
         Py_DECREF(r);
     }
-    if (!(count & self->yield_mask)) return PyObject_CallOneArg(self->yield_then, obj);
-    Py_INCREF(obj);
-    return obj;
+    if (!(count & self->yield_mask)) {
+        PyObject *later = PyObject_CallOneArg(self->yield_then, result);
+        Py_DECREF(result);
+        return later;
+    }
+    return result;
 }
 
 static PyMethodDef hot_methods[] = {

@@ -41,6 +41,7 @@ from ..base.header import (
     COMPACT_WORDS,
     FOLD_BOR,
     FOLD_NONE,
+    FOLDS,
     HEADER_BYTES,
     INLINE_BYTES,
     SLOT_BYTES,
@@ -152,6 +153,7 @@ class TinyCollectives:
                                            self._allreduce, self._after_hot, self._engine, lane,
                                            self._gates)
         self._armed: Signature | None = None  # the signature the hot call runs
+        self._armed_inplace = True
         self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
             self._allreduce if self._hot is None else self._hot.call)
 
@@ -187,33 +189,49 @@ class TinyCollectives:
             self._last_allreduce = (view, op, name, sig)
         if sig is None:
             return NOT_TINY
-        if inplace and name is None and self._hot is not None and self._armed is not sig:
-            self._arm(obj, op, sig, shape)
+        if name is None and self._hot is not None and (
+                self._armed is not sig or self._armed_inplace is not inplace):
+            self._arm(obj, op, sig, shape, inplace)
         if sig.op is not None:
             return self._allreduce_staged(sig, sig.op, obj, a, shape, inplace)
         out = a if inplace else np.empty(shape, a.dtype)
         req = self._exchange(sig, a, out)
         return self._result(sig, obj, a, shape, out, inplace, req)
 
-    def _arm(self, obj: Any, op: Any, sig: Signature, shape: Any) -> None:
-        """An in-place call with no name whose round folds it inline: the C hot call
-        takes the next calls of its signature (input type, op, dtype, shape)."""
-        if sig.op is not None or sig.fold != 1:
+    def _arm(self, obj: Any, op: Any, sig: Signature, shape: Any, inplace: bool) -> None:
+        """A call with no name whose round folds it inline (a float average: then
+        divides it): the C hot call takes the next calls of its signature (input
+        type, op, dtype, shape, in place or not)."""
+        if sig.op is not None:
             return
+        average = 0
+        if sig.fold != 1:
+            if as_reduce_op(op) is not ReduceOp.AVERAGE:
+                return
+            if header_round.KEY.unpack(sig.header)[1] not in _FLOAT_SUMS:
+                return  # integer averages round in numpy only, so every rank agrees
+            average = self._size
         assert self._hot is not None
-        dtype = None if type(obj) is np.ndarray else obj.dtype  # an array: its buffer's
-        self._hot.arm(obj, op, dtype, shape, sig.header, sig.bump, sig.call.nbytes)
-        self._armed = sig
+        array = type(obj) is np.ndarray
+        dtype = None if array else obj.dtype  # an array: its buffer's format
+        new_like = None if inplace else (np.empty_like if array
+                                         else sys.modules["torch"].empty_like)
+        self._hot.arm(obj, op, dtype, shape, sig.header, sig.bump, sig.call.nbytes, inplace,
+                      new_like, average)
+        self._armed, self._armed_inplace = sig, inplace
 
     def _after_hot(self, state: int, seq: int, issued_at: float, obj: Any) -> Any:
         """The hot call's round did not fold (in flight, or ranks differ): go on as
         `_allreduce` does from `_exchange`."""
         assert self._armed is not None
         self._seq, self._issued_at = seq, issued_at
-        sig, view = self._armed, self._view(obj, True)
+        inplace = self._armed_inplace
+        sig, view = self._armed, self._view(obj, inplace)
         assert view is not None  # the hot call checked what `_view` checks
         a, _, shape = view
-        result = self._result(sig, obj, a, shape, a, True, self._judged(state, sig, issued_at))
+        out = a if inplace else np.empty(shape, a.dtype)
+        result = self._result(sig, obj, a, shape, out, inplace,
+                              self._judged(state, sig, issued_at))
         if self.calls & YIELD_MASK or type(result) is Handle:  # the hot call counted it
             return result
         return yield_then(result)
@@ -511,6 +529,9 @@ class LastTensor:
         self.ptr = tensor.data_ptr() if tensor is not None else 0
         self.dtype = tensor.dtype if tensor is not None else None
 
+
+# The compact fold codes of float32 and float64 sums (`header.FOLDS`).
+_FLOAT_SUMS = frozenset(FOLDS[(DTYPE_CODES[d], ReduceOp.SUM)] for d in ("float32", "float64"))
 
 _BINARY = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PRODUCT: np.multiply}
