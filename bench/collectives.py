@@ -44,7 +44,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--skip-idle", action="store_true")
     p.add_argument("--fresh", action="store_true",
                    help="also time a new tensor per call (as a loop reducing each step's "
-                        "loss does), for mpi4py and asynclock")
+                        "loss does), for mpi4py and asynclock (in place, and an average "
+                        "into a new tensor)")
     p.add_argument("--link", default=None,
                    help="label of the network between hosts (e.g. 5gbit); in every JSON row")
     return p.parse_args()
@@ -132,6 +133,8 @@ class Systems:
             out["mpi4py-fresh"] = sync_as_async(
                 lambda: WORLD.Allreduce(MPI.IN_PLACE, torch.zeros(n).numpy()))
             out["asynclock-fresh"] = lambda: self.coord.allreduce_(torch.zeros(n))
+            out["asynclock-fresh-average"] = lambda: self.coord.allreduce(torch.zeros(n),
+                                                                          "average")
         if self.hvd is not None:
             hvd, ht = self.hvd, torch.zeros(n)
             out["horovod"] = sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))
