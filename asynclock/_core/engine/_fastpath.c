@@ -1,10 +1,15 @@
-/* The compact header round of engine.small_calls in C: one call issues, spins
- * and judges it.
+/* The small-message path of engine.small_calls in C, in three parts:
+ * - CompactRound: the compact header round over MPI; one call issues, spins
+ *   and judges it;
+ * - NodeRound, NodeCompactRound, NodeRequest: the same round through the
+ *   node's shared memory, where every rank of a channel is on one node;
+ * - HotAllreduce: a small allreduce of an armed signature, from its checks to
+ *   its fold.
  *
- * Why: on the small-message path MPI itself takes ~2 us, and the Python
- * around it (buffer writes, the Iallreduce and Test calls through mpi4py, the
- * verdict, a copy) costs several times that; this does the same steps on the
- * same bytes in well under a microsecond. Built per MPI by
+ * Why: on the small-message path the Python around MPI (buffer writes, the
+ * Iallreduce and Test calls through mpi4py, the verdict, a copy) costs
+ * several times MPI's own part; this does the same steps on the same bytes
+ * (figures: the benchmarks page). Built per MPI by
  * asynclock/_core/engine/fastpath.py with that MPI's compiler wrapper;
  * without it the Python round (engine/header_round.py) runs.
  *

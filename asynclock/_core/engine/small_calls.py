@@ -147,8 +147,8 @@ class TinyCollectives:
                                              lane.node_round)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
         self._last_allreduce: tuple[Any, Any, Any, Signature | None] = (None, None, None, None)
-        # A repeated in-place allreduce runs whole in C where the round is C's
-        # (`_fastpath.c`'s HotAllreduce); it falls back to `_allreduce` for the rest.
+        # An allreduce of the last armed signature runs whole in C where the round is
+        # C's (`_fastpath.c`'s HotAllreduce); it falls back to `_allreduce` for the rest.
         self._hot = fastpath.hot_allreduce(self._round, self, YIELD_MASK, yield_then,
                                            self._allreduce, self._after_hot, self._engine, lane,
                                            self._gates)
@@ -339,8 +339,9 @@ class TinyCollectives:
         return self._judged(state, sig, issued_at, whole)
 
     def _judged(self, state: int, sig: Signature, issued_at: float, whole: bool = True) -> Any:
-        """`_exchange`'s answer for a round that did not fold; a round that finished
-        here is counted, and every 8th teaches the lane's spin (`whole`)."""
+        """`_exchange`'s answer for a round that did not fold (the C hot call's too); a
+        round that finished here is counted, and every 8th teaches the lane's spin
+        (`whole`)."""
         if state == IN_FLIGHT:
             return header_round.take_request(self._round)
         if state == DIFFERENT and self._check(sig):
@@ -349,7 +350,7 @@ class TinyCollectives:
         n = lane.synchronous = lane.synchronous + 1
         if not n & 7:
             self._engine.count_synchronous(issued_at, lane if whole else None)
-        return FOLDED if state == DONE_FOLDED else None
+        return None
 
     def _result(self, sig: Signature, obj: Any, a: Array, shape: Any, out: Array,
                 inplace: bool, req: Any) -> Any:
