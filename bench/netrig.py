@@ -12,11 +12,14 @@ Run as root (netrig makes network namespaces):
 Systems side by side, as bench/train.py provides them: compute only, naive
 (backward then one blocking Allreduce), Horovod DistributedOptimizer and
 asynclock on Horovod (Open MPI only: Horovod is built against it), DDP on
-gloo, asynclock on MPI (whole step, per bucket, gated forward). Open MPI
-jobs go through `netrig mpirun`, MPICH jobs through `netrig mpiexec`. Every
-JSON row carries a `link` key. The table adds the wire bound (gradient bytes
-each rank sends per step at the link rate) and the target asynclock should
-reach: 0.8 x min(compute only, wire bound).
+gloo, asynclock on MPI (whole step, per bucket, gated forward), and two
+bounds (`bound-comm`: the gradient bytes' allreduce alone; `bound-overlap`:
+that allreduce beside backward from its first moment, more than any method
+can overlap). Open MPI jobs go through `netrig mpirun`, MPICH jobs through
+`netrig mpiexec`. Every JSON row carries a `link` key. The table adds the
+wire bound (gradient bytes each rank sends per step at the link rate), the
+target asynclock should reach (0.8 x min(compute only, wire bound)), and the
+best asynclock method and the overlap bound over the best peer.
 
 Each job is bounded (--job-timeout); the rig is always taken down.
 """
@@ -111,7 +114,8 @@ def specs(args: argparse.Namespace) -> list[Spec]:
 
 def train_specs(mpi: str, train: tuple[str, ...]) -> list[Spec]:
     """Horovod (and asynclock on Horovod) only where Horovod's MPI runs: Open MPI."""
-    common = "compute,naive,ddp,asynclock,asynclock-bucket,asynclock-gated"
+    common = ("compute,naive,ddp,asynclock,asynclock-bucket,asynclock-gated,"
+              "bound-comm,bound-overlap")
     if mpi != "openmpi":
         return [Spec(f"{mpi} train", mpi, "train.py", (*train, "--methods", common))]
     return [Spec(f"{mpi} train", mpi, "train.py", (*train, "--methods", "horovod," + common)),
@@ -256,10 +260,26 @@ def _bounds(rows: list[Row], cols: list[tuple[str, str]]) -> list[str]:
                       and r["method"].startswith("asynclock")), default=None)) for col in cols]
     return [f"  {'wire bound':18s}" + "".join(f"{w:>18s}" for w in wire),
             f"  {'target (asynclock)':18s}" + "".join(f"{t:>18s}" for t in target),
-            f"  {'best asynclock':18s}" + "".join(f"{b:>18s}" for b in best)]
+            f"  {'best asynclock':18s}" + "".join(f"{b:>18s}" for b in best),
+            f"  {'vs best peer':18s}" + "".join(f"{_peer_ratio(rows, c, 'asynclock'):>18s}"
+                                                 for c in cols),
+            f"  {'bound vs peer':18s}" + "".join(f"{_peer_ratio(rows, c, 'bound-overlap'):>18s}"
+                                                  for c in cols)]
 
 
-METHOD_ORDER = ("compute", "naive", "horovod", "ddp", "asynclock")
+PEERS = ("naive", "horovod", "ddp")
+
+
+def _peer_ratio(rows: list[Row], col: tuple[str, str], prefix: str) -> str:
+    """The best row whose method starts with `prefix` over the best peer, in one column:
+    for `bound-overlap`, the most any method could reach against that peer there."""
+    here = {r["method"]: r["samples_per_s"] for r in rows if (r["link"], r["mpi"]) == col}
+    mine = max((v for m, v in here.items() if m.startswith(prefix)), default=None)
+    peer = max((v for m, v in here.items() if m in PEERS), default=None)
+    return "-" if mine is None or not peer else f"{mine / peer:.2f}x"
+
+
+METHOD_ORDER = ("compute", "naive", "horovod", "ddp", "asynclock", "bound")
 
 
 def _method_order(method: str) -> tuple[int, str]:

@@ -26,7 +26,9 @@ time / method step time. Methods:
 * asynclock-sharded-gated: the same with the next forward gated per layer;
 * asynclock-async: the async API (`coord.train_step`, gated) driven from a loop thread;
 * asynclock-async-hvd: the same on asynclock's Horovod transport (when Horovod loads);
-* asynclock-async-sharded: the async API with `shard_optimizer=True` (one node).
+* asynclock-async-sharded: the async API with `shard_optimizer=True` (one node);
+* bound-comm, bound-overlap: not methods but what the machine allows (`bound`):
+  the gradient bytes' allreduce alone, and beside backward from its first moment.
 
 Under each table: the best asynclock method over the best peer (naive, Horovod,
 DDP) and over compute only, the two ratios the targets are stated in (also
@@ -201,7 +203,8 @@ def _load_horovod() -> Any:
     return hvd
 
 
-def ddp(t: Trainer, args: argparse.Namespace) -> Step:
+def gloo_world() -> None:
+    """torch.distributed's default group on gloo, its rendezvous found through MPI."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -217,9 +220,44 @@ def ddp(t: Trainer, args: argparse.Namespace) -> Step:
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port),
                           RANK=str(WORLD.rank), WORLD_SIZE=str(WORLD.size))
         dist.init_process_group("gloo", rank=WORLD.rank, world_size=WORLD.size)
+
+
+def ddp(t: Trainer, args: argparse.Namespace) -> Step:
+    gloo_world()
     wrapped = torch.nn.parallel.DistributedDataParallel(t.model)
     t.forward = lambda: wrapped(t.x)
     return t.plain_step
+
+
+def bound(t: Trainer, args: argparse.Namespace, overlap: bool) -> Step:
+    """Not a method: what the machine allows any method. A buffer of the model's
+    gradient bytes is allreduced over gloo (DDP's transport) in one call.
+
+    * bound-comm: that allreduce alone each step, no compute;
+    * bound-overlap: launched as backward starts, beside backward and the
+      optimizer step, and waited for at the end: every gradient byte on the
+      wire from the first moment of backward. No method can do that, since
+      backward produces gradients one layer at a time, so this is an upper
+      bound on what overlapping communication with backward can give. The
+      data is not the gradients: only the time counts.
+    """
+    import torch.distributed as dist
+
+    gloo_world()
+    flat = torch.zeros(sum(p.numel() for p in t.model.parameters()))
+
+    def step() -> None:
+        if not overlap:
+            dist.all_reduce(flat)
+            return
+        t.opt.zero_grad()
+        loss = t.loss()
+        work = dist.all_reduce(flat, async_op=True)
+        loss.backward()
+        t.opt.step()
+        work.wait()
+
+    return step
 
 
 def tuning(args: argparse.Namespace, shm: bool = True) -> Any:
@@ -301,6 +339,8 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
     "asynclock-sharded-gated": lambda t, a: asynclock_opt(t, a, shard_optimizer=True,
                                                           gate_forward=t.model),
     "asynclock-async": asynclock_async,
+    "bound-comm": lambda t, a: bound(t, a, overlap=False),
+    "bound-overlap": lambda t, a: bound(t, a, overlap=True),
     "asynclock-async-hvd": lambda t, a: asynclock_async(t, a, "horovod"),
     "asynclock-async-sharded": lambda t, a: asynclock_async(t, a, shard_optimizer=True),
 }
@@ -458,7 +498,9 @@ def ratios(sps: dict[str, float]) -> dict[str, Any]:
     peer = max(peers, key=peers.__getitem__) if peers else None
     return {"best_asynclock": best, "best_peer": peer,
             "vs_best_peer": sps[best] / sps[peer] if peer else None,
-            "vs_compute": sps[best] / sps["compute"] if "compute" in sps else None}
+            "vs_compute": sps[best] / sps["compute"] if "compute" in sps else None,
+            "overlap_bound_vs_best_peer": (sps["bound-overlap"] / sps[peer]
+                                           if peer and "bound-overlap" in sps else None)}
 
 
 def verdict(r: dict[str, Any]) -> str:
@@ -468,6 +510,8 @@ def verdict(r: dict[str, Any]) -> str:
         parts.append(f"{r['vs_best_peer']:.2f}x the best peer ({r['best_peer']}; target 1.2x)")
     if r["vs_compute"] is not None:
         parts.append(f"{r['vs_compute']:.2f}x compute only (target 0.8x)")
+    if r.get("overlap_bound_vs_best_peer") is not None:
+        parts.append(f"overlap bound {r['overlap_bound_vs_best_peer']:.2f}x the best peer")
     return ", ".join(parts)
 
 

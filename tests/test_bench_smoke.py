@@ -66,3 +66,24 @@ def test_training_benchmark_runs_the_sharded_methods(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())["samples_per_s"]["mlp"]
     assert set(figures) == set(methods), figures
     assert all(v > 0 for v in figures.values()), figures
+
+
+def test_training_benchmark_bounds_are_neither_peers_nor_asynclock(tmp_path: Path) -> None:
+    """bound-comm and bound-overlap run the gradient bytes' allreduce (alone, and beside
+    backward from its first moment) and are reported against the best peer; neither
+    may stand in as the best peer or the best asynclock method (bound-comm, which does
+    no compute, is faster than every real method)."""
+    out = tmp_path / "train.json"
+    methods = ["compute", "ddp", "asynclock", "bound-comm", "bound-overlap"]
+    job = run_job("../../bench/train.py", 2, "--models", "mlp", "--methods", ",".join(methods),
+                  "--windows", "2", "--steps", "2", "--warmup", "1", "--json", str(out),
+                  timeout=240)
+    assert job.returncode == 0, job.explain()
+    written = json.loads(out.read_text())
+    figures = written["samples_per_s"]["mlp"]
+    assert set(figures) == set(methods), figures
+    assert all(v > 0 for v in figures.values()), figures
+    r = written["ratios"]["mlp"]
+    assert (r["best_asynclock"], r["best_peer"]) == ("asynclock", "ddp"), r
+    assert r["overlap_bound_vs_best_peer"] == figures["bound-overlap"] / figures["ddp"], r
+    assert "overlap bound " in job.output, job.explain()

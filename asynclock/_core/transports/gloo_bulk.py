@@ -18,8 +18,8 @@ if any rank cannot (no torch, an unreachable address), no rank uses gloo.
 Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
 first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
-both ways (3 each, every rank; alone and beside a compute load), takes the
-slowest rank's figures, and uses gloo from the smallest size at which it
+both ways (5 each after one untimed call, every rank; alone and beside a
+compute load), takes the slowest rank's figures, and uses gloo from the smallest size at which it
 beats MPI by 10% while a compute load runs beside the call (as gradient
 buckets run beside backward) and is alone at most twice as slow (not at all
 if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
@@ -157,10 +157,10 @@ def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
 
 
 PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
-PROBE_REPS = 3
+PROBE_REPS = 5
 PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
 ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps);
-CPU_SHARE = 0.5  # or use at most half MPI's CPU time alone...
+CPU_SHARE = 0.75  # or use at most 3/4 of MPI's CPU time alone...
 PROBE_TIE = 1.1  # ... while beside compute at most 10% slower
 CHUNK = 128  # the probe's compute load: 128x128 matmuls, small steps to match a call's length
 
@@ -183,11 +183,12 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     load, and beside compute they look alike. The CPU time each call takes
     alone (every thread of the process) shows it: MPI's spin takes a core for
     the whole call, gloo's threads a fraction of one. A path that is no faster
-    beside compute but takes half the CPU or less is chosen for that reason.
+    beside compute but takes 3/4 of the CPU or less is chosen for that reason.
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
 
+    _warm(comm, group)
     mine = np.array([_costs(comm, group, n) for n in PROBE_SIZES])
     worst = np.empty_like(mine)
     comm.Allreduce(mine, worst, op=MPI.MAX)
@@ -204,10 +205,21 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
 def _gloo_wins(mpi_alone: float, gloo_alone: float, mpi_beside: float, gloo_beside: float,
                mpi_cpu: float, gloo_cpu: float) -> bool:
     """Alone no more than twice as slow, and beside compute either 10% faster, or at
-    most 10% slower with half MPI's CPU time or less."""
+    most 10% slower with 3/4 of MPI's CPU time or less."""
     faster = gloo_beside < PROBE_MARGIN * mpi_beside
     lighter = gloo_cpu <= CPU_SHARE * mpi_cpu and gloo_beside <= PROBE_TIE * mpi_beside
     return (faster or lighter) and gloo_alone <= ALONE_SLACK * mpi_alone
+
+
+def _warm(comm: Any, group: GlooGroup) -> None:
+    """One untimed call each way first: gloo connects its pairs on its first call, and
+    a new TCP connection starts slow (slow start, small windows): a median over a
+    few calls should see neither."""
+    from mpi4py import MPI
+
+    data = np.ones(PROBE_SIZES[-1] // 4, np.float32)
+    comm.Allreduce(MPI.IN_PLACE, data)
+    group.allreduce(data, ReduceOp.SUM)
 
 
 def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
