@@ -110,6 +110,7 @@ class Lane:
         self.uncollected: Operation | None = None  # the last named call finished, not taken
         self.queue: deque[Operation] = deque()
         self.recent: deque[float] = deque(maxlen=8)  # seconds its recent small ops took
+        self.noted = 0  # small ops timed into `recent`, ever
         self.synchronous = 0  # small calls finished inside the call (`engine.small_calls`)
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
         # Compact rounds through node shared memory (collective; None: over MPI).
@@ -123,8 +124,8 @@ class Lane:
         """Record a small op's issue-to-done time; every 4th call returns the median
         of the recent ones (else None), so the caller re-derives its spin rarely."""
         self.recent.append(seconds)
-        n = len(self.recent)
-        return sorted(self.recent)[n // 2] if n >= 4 and n % 4 == 0 else None
+        self.noted += 1
+        return sorted(self.recent)[len(self.recent) // 2] if self.noted % 4 == 0 else None
 
     def next_seq(self, name: str = "") -> int:
         """The W_SEQ of the next call. A named call on a lane by name carries the

@@ -217,7 +217,7 @@ def _warm(comm: Any, group: GlooGroup) -> None:
     few calls should see neither."""
     from mpi4py import MPI
 
-    data = np.ones(PROBE_SIZES[-1] // 4, np.float32)
+    data = np.ones(PROBE_SIZES[0] // 4, np.float32)
     comm.Allreduce(MPI.IN_PLACE, data)
     group.allreduce(data, ReduceOp.SUM)
 
