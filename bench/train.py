@@ -339,10 +339,10 @@ METHODS: dict[str, Callable[[Trainer, argparse.Namespace], Step]] = {
     "asynclock-sharded-gated": lambda t, a: asynclock_opt(t, a, shard_optimizer=True,
                                                           gate_forward=t.model),
     "asynclock-async": asynclock_async,
-    "bound-comm": lambda t, a: bound(t, a, overlap=False),
-    "bound-overlap": lambda t, a: bound(t, a, overlap=True),
     "asynclock-async-hvd": lambda t, a: asynclock_async(t, a, "horovod"),
     "asynclock-async-sharded": lambda t, a: asynclock_async(t, a, shard_optimizer=True),
+    "bound-comm": lambda t, a: bound(t, a, overlap=False),
+    "bound-overlap": lambda t, a: bound(t, a, overlap=True),
 }
 
 

@@ -19,9 +19,10 @@ Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
 first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
 both ways (5 each after one untimed call, every rank; alone and beside a
-compute load), takes the slowest rank's figures, and uses gloo from the smallest size at which it
-beats MPI by 10% while a compute load runs beside the call (as gradient
-buckets run beside backward) and is alone at most twice as slow (not at all
+compute load), takes the slowest rank's figures, and uses gloo from the
+smallest size at which it beats MPI by 10% while a compute load runs beside
+the call (as gradient buckets run beside backward), or is at most 10% slower
+there with 3/4 of MPI's CPU or less, and is alone at most twice as slow (not at all
 if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
 `auto` (measured, across hosts only), `measure` (measured, also within a
 node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
