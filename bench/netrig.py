@@ -267,6 +267,7 @@ def _bounds(rows: list[Row], cols: list[tuple[str, str]]) -> list[str]:
                                                   for c in cols)]
 
 
+# bench/train.py's PEERS, not imported: importing train.py starts MPI in this driver.
 PEERS = ("naive", "horovod", "ddp")
 
 
