@@ -62,8 +62,7 @@ def test_no_rank_uses_gloo_unless_every_rank_imported_torch() -> None:
                                                  # beside it, but MPI spins a core throughout
     (12.6, 7.2, 27.3, 30.5, 12.6, 2.5, False),   # lighter, but 12% slower beside compute
     (7.0, 7.6, 13.6, 13.2, 7.0, 4.2, True),      # the rig's 4 MiB on MPICH: alike, 60% of
-                                                 # MPI's CPU (its wait thread then spun
-                                                 # 55-75 ms per MLP step)
+                                                 # MPI's CPU
     (7.0, 7.6, 13.6, 13.2, 7.0, 5.6, False),     # alike, 80% of MPI's CPU: MPI
 ])
 def test_gloo_wins_beside_compute_without_losing_much_alone(
