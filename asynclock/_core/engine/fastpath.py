@@ -8,6 +8,12 @@ wrapper (`mpicc`), so it links the libmpi mpi4py loads. Setup builds it
 headers exist the pure Python path runs, with the same bytes on the wire.
 `ASYNCLOCK_FASTPATH=0` turns it off (tests run both ways).
 
+The C rounds run on MPI communicators only, so a process loads them only once
+its MPI is up (`module`): a job whose backend has no MPI world (`horovodrun
+--gloo`) never imports mpi4py's MPI for them, since that import initialises
+MPI, and an Open MPI singleton starts a daemon and transports whose ports
+listen on every interface for the whole job.
+
 Run as `python -m engine.fastpath` to build for the MPI mpi4py loads now.
 """
 
@@ -34,7 +40,9 @@ SOURCE = HERE / "_fastpath.c"
 
 
 def library_tag() -> str:
-    """Which MPI library this process uses (mpi4py loads it on import)."""
+    """Which MPI library this process uses (mpi4py loads it on import, and initialises
+    MPI unless it is up already: callers are processes whose MPI is up or meant to be,
+    as `module` and the build are)."""
     from mpi4py import MPI
 
     return f"{zlib.crc32(MPI.Get_library_version().encode()):08x}"
@@ -72,10 +80,19 @@ _MODULE: list[ModuleType | None] = []  # loaded once per process
 
 
 def module() -> ModuleType | None:
-    """The loaded extension for this process, or None."""
+    """The loaded extension for this process, or None: None without loading anything
+    while MPI is not up here (it has no communicator for the extension to run on)."""
     if not _MODULE:
+        if not mpi_up():
+            return None
         _MODULE.append(_load_quietly())
     return _MODULE[0]
+
+
+def mpi_up() -> bool:
+    """MPI is initialised in this process; asks nothing of an MPI not imported yet."""
+    mpi: Any = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and bool(mpi.Is_initialized()) and not mpi.Is_finalized()
 
 
 def header_comm(transport: Any) -> Any:
