@@ -26,10 +26,19 @@ The accepting rank serves all pending handshakes at once (a selector), each
 within its own deadline, so a foreign client that connects first and stalls
 cannot keep the real peer out; a connection that fails is closed, counted
 and reported in one log line, and the mesh waits on for the ranks it lacks.
+It keeps accepting whatever a client does: the kernel's queue of connections
+never fills ahead of a real peer, whose connect would then wait on SYN
+retries. Pending handshakes are capped (`FOREIGN_ROOM`); one more refuses the
+one that has shown the least (nothing before part of a HELLO before a whole
+one; the oldest of those), and so does a rank out of file descriptors. A real
+peer sends its HELLO as it connects, so it is the last an idle client's
+connections push out. A failed `accept()` is reported once per kind and never
+ends the mesh: the next connection in the queue is another client's.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -37,6 +46,7 @@ import os
 import selectors
 import socket
 import struct
+import time
 
 from ..base.backoff import Deadline
 from ..base.errors import BackendError
@@ -52,6 +62,20 @@ _CHALLENGE = struct.Struct("<4sHxx32s32s")  # magic, version, nonce, acceptor's 
 _PROOF_BYTES = hashlib.sha256().digest_size
 _ACCEPTED = b"ALKA"
 Address = tuple[str, int]
+# Handshakes served at once beyond one per rank still expected. Every real peer may
+# be in flight together, and each pending one holds a descriptor until its deadline,
+# so without a cap a client that opens connections by the thousand spends the rank's
+# descriptors; 64 leaves room for many slow connections while a flood takes at most
+# 64 descriptors more than the job's own. A real peer's handshake lasts one round
+# trip, so it is never the one that has shown the least for long.
+FOREIGN_ROOM = 64
+# Out of descriptors with nothing pending to refuse: the next connection waits in the
+# kernel's queue this long before accept() is tried again.
+ACCEPT_PAUSE_S = 0.05
+# accept() errors that say the listener itself is unusable; any other is transient
+# (Linux reports a connection's own network error from accept(), accept(2)).
+_BROKEN_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EFAULT})
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 log = logging.getLogger("asynclock.transport")
 
@@ -141,6 +165,10 @@ class _Pending:
     def need(self) -> int:
         return (_PROOF_BYTES if self.hello else _HELLO.size) - len(self.buf)
 
+    def shown(self) -> int:
+        """How far it got: 0 nothing, 1 part of HELLO, 2 a whole HELLO."""
+        return 2 if self.hello else 1 if self.buf else 0
+
     def read(self) -> bool:
         """Take what arrived, never more than the next message; True once it is whole."""
         try:
@@ -159,8 +187,9 @@ class Acceptor:
     """Accepts the ranks `expected` on `listener`, each only after a full handshake.
 
     Every other connection (a wrong or missing proof, a slow one, a rank
-    claimed twice or not expected here) is closed, counted in `refused` and
-    reported in one log line.
+    claimed twice or not expected here, one past the cap on pending handshakes)
+    is closed, counted in `refused` and reported in one log line; a failed
+    `accept()` is counted in `accept_errors` and reported once per kind.
     """
 
     def __init__(self, listener: socket.socket, key: MeshKey, rank: int,
@@ -169,8 +198,15 @@ class Acceptor:
         self.expected, self.handshake_s = set(expected), handshake_s
         self.peers: dict[int, socket.socket] = {}
         self.refused = 0
-        self._pending: dict[socket.socket, _Pending] = {}
+        self.accept_errors = 0
+        self._pending: dict[socket.socket, _Pending] = {}  # oldest first
         self._selector = selectors.DefaultSelector()
+        self._error_kinds: set[int | None] = set()  # accept() errors already reported
+        self._paused_until: float | None = None  # listener out of the selector until then
+
+    def cap(self) -> int:
+        """The most handshakes pending at once (`FOREIGN_ROOM`)."""
+        return len(self.expected - self.peers.keys()) + FOREIGN_ROOM
 
     def run(self, deadline: Deadline) -> dict[int, socket.socket]:
         """Serve handshakes until every expected rank is in, or raise at `deadline`."""
@@ -180,6 +216,7 @@ class Acceptor:
             while self.expected - self.peers.keys():
                 if deadline.passed():
                     raise BackendError(self._missing_text())
+                self._resume()
                 for ready, _ in self._selector.select(self._next_timeout(deadline)):
                     self._serve(ready.fileobj)  # type: ignore[arg-type]
                 self._expire()
@@ -192,6 +229,8 @@ class Acceptor:
 
     def _next_timeout(self, deadline: Deadline) -> float:
         lefts = [p.deadline.left() or 0.0 for p in self._pending.values()]
+        if self._paused_until is not None:
+            lefts.append(max(0.0, self._paused_until - time.monotonic()))
         return min([deadline.left() or 0.0, *lefts])
 
     def _serve(self, sock: socket.socket) -> None:
@@ -210,10 +249,56 @@ class Acceptor:
             sock, addr = self.listener.accept()
         except BlockingIOError:
             return
+        except OSError as exc:
+            self._accept_failed(exc)
+            return
         sock.setblocking(False)
         where = f"{addr[0]}:{addr[1]}"
         self._pending[sock] = _Pending(sock, where, Deadline(self.handshake_s))
         self._selector.register(sock, selectors.EVENT_READ)
+        self._serve(sock)  # a real peer's HELLO is in by now: let it count below
+        if len(self._pending) > self.cap():
+            self._refuse_least(f"handshakes pending at once, {self.cap()} the most this "
+                               "rank serves")
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Count and report (once per kind) a failed accept(), and go on: out of
+        descriptors, free one by refusing the pending handshake that has shown the
+        least, or with none, leave the next connection queued for a moment."""
+        if exc.errno in _BROKEN_LISTENER:
+            raise BackendError(f"{self.key.mesh}: rank {self.rank}'s listener failed: "
+                               f"{exc}") from exc
+        self.accept_errors += 1
+        out_of_resources = exc.errno in _OUT_OF_RESOURCES
+        if exc.errno not in self._error_kinds:
+            self._error_kinds.add(exc.errno)
+            then = ("refusing the pending handshake that has shown the least, or waiting "
+                    "while none is" if out_of_resources else "accepting the next")
+            log.warning("asynclock[rank %d]: %s could not accept a connection (%s); %s "
+                        "(reported once, counted in accept_errors)", self.rank, self.key.mesh,
+                        exc, then)
+        if not out_of_resources:
+            return
+        if self._pending:
+            self._refuse_least("pending handshakes when this rank ran out of descriptors "
+                               f"({os.strerror(exc.errno or 0)})")
+        else:
+            self._pause()
+
+    def _refuse_least(self, when: str) -> None:
+        """Refuse the pending handshake that has shown the least; the oldest of those."""
+        least = min(self._pending.values(), key=_Pending.shown)
+        self._refuse(least, f"had shown the least of {len(self._pending)} {when}")
+
+    def _pause(self) -> None:
+        if self._paused_until is None:
+            self._selector.unregister(self.listener)
+        self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
+
+    def _resume(self) -> None:
+        if self._paused_until is not None and time.monotonic() >= self._paused_until:
+            self._paused_until = None
+            self._selector.register(self.listener, selectors.EVENT_READ)
 
     def _advance(self, pending: _Pending) -> None:
         """A whole message is in: HELLO gets a challenge, PROOF gets the verdict."""

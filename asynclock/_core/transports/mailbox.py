@@ -49,6 +49,11 @@ HOLD_POLL_S = 0.05  # the test hook (ASYNCLOCK_MESH_HOLD) looks for its go file 
 # a larger length is a broken or foreign sender, not a message to buffer.
 MAX_FRAME_BYTES = 16 << 20
 MAX_CHANNELS = 1 << 16  # channel ids a backend may open (it opens a few per lane)
+# The listener's queue of connections not yet accepted (the kernel caps it at
+# net.core.somaxconn). A full queue drops a real peer's SYN, and its connect then
+# waits on SYN retries (1, 3, 7, 15 s), so the queue is deeper than what a foreign
+# client plausibly holds in it while this rank is still connecting to lower ranks.
+LISTEN_BACKLOG = 4096
 Address = tuple[str, int]
 P2P, HEADERS, AGREE, DATA = range(4)  # a channel's streams: id = 4 * channel + kind
 
@@ -73,7 +78,7 @@ class Mailbox:
         self.dead: set[int] = set()
         self.broken: dict[int, str] = {}  # peers whose frames broke the protocol: why
         self.refused = 0  # connections refused while the mesh was built
-        with socket.create_server((host, 0), backlog=size + 16) as listener:
+        with socket.create_server((host, 0), backlog=LISTEN_BACKLOG) as listener:
             addresses = exchange(listener.getsockname()[:2])
             _hold_for_test(key.mesh, rank, addresses[rank])
             try:
