@@ -1,9 +1,11 @@
 """Collectives among a subset of ranks (Horovod's process sets), on a channel of their own.
 
 Making a set is collective over the whole world, in the same order on every
-rank: the backend splits its world communicator, each member duplicates its
-part into a private channel (header, data, point-to-point and bulk
-communicators), and that channel becomes one more lane of the rank's engine.
+rank, and runs as a checked call (`engine.making`): the ranks first agree on
+the set on the user lane, then the backend splits its world communicator on a
+wait thread, each member duplicates its part into two private channels
+(header, data, point-to-point and bulk communicators), and those become lanes
+of the rank's engine. Ranks that disagree about the set get the same error.
 Members get the whole collective API on it (`LaneCollectives`: checked
 headers, the small-message path, stall reports); ranks are numbered within
 the set there, so a mismatch message names set ranks. Ranks outside get a
@@ -12,11 +14,8 @@ the set there, so a mismatch message names set ranks. Ranks outside get a
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
-
-import anyio.to_thread
 
 from ..base.errors import InvalidInputError
 from ..engine.operation import Lane
@@ -35,7 +34,9 @@ class SubsetHost(Protocol):
     @property
     def backend(self) -> Any: ...
 
-    def add_lane(self, channel: Any, by_name: bool = False) -> Lane: ...
+    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
+                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
+                         ) -> list[Lane] | None: ...
 
     def remove_lane(self, lane: Lane) -> None: ...
 
@@ -90,7 +91,7 @@ class Subset:
         return f"<Subset #{self.ident} ranks={list(self.ranks)} rank={self.rank}>"
 
 
-_ids = itertools.count(1)  # ids agree across ranks: sets are made in the same order
+_ids = [0]  # the last set made: ids agree across ranks, sets are made in the same order
 
 
 def normalise(ranks: Iterable[int], size: int) -> tuple[int, ...]:
@@ -104,22 +105,19 @@ def normalise(ranks: Iterable[int], size: int) -> tuple[int, ...]:
 async def make_subset(coord: SubsetHost, ranks: Iterable[int]) -> Subset:
     """Every world rank calls this, in the same order (it splits a communicator)."""
     chosen = normalise(ranks, coord.size)
-    ident = next(_ids)
-    channels = await _split(coord.backend, (f"set{ident}", f"set{ident}.grad"), chosen)
-    if channels is None:
-        return Subset(chosen, coord.rank, ident, None, None)
-    lane, grad_lane = coord.add_lane(channels[0], by_name=True), coord.add_lane(channels[1])
-    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane, grad_lane)
-
-
-async def _split(backend: Any, names: tuple[str, ...], ranks: tuple[int, ...]) -> Any:
-    """The members' channels (None elsewhere); off the loop where MPI allows threads."""
-    split = getattr(backend, "subchannels", None)
+    split = getattr(coord.backend, "subchannels", None)
     if split is None:
-        raise NotImplementedError(f"process sets need the MPI backend (this is {backend.name})")
-    if getattr(backend, "thread_level", 0) >= 3:  # MPI_THREAD_MULTIPLE
-        return await anyio.to_thread.run_sync(split, names, ranks)
-    return split(names, ranks)
+        raise NotImplementedError(f"process sets need the MPI backend (this is "
+                                  f"{coord.backend.name})")
+    ident = _ids[0] + 1  # counted once made: a failed make leaves every rank's count
+    names = (f"set{ident}", f"set{ident}.grad")
+    lanes = await coord.make_lanes("process set", lambda: split(names, chosen), (True, False),
+                                   ranks=chosen)
+    _ids[0] = ident
+    if lanes is None:
+        return Subset(chosen, coord.rank, ident, None, None)
+    lane, grad_lane = lanes
+    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane, grad_lane)
 
 
 async def remove_subset(coord: SubsetHost, subset: Subset) -> None:

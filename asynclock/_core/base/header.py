@@ -65,6 +65,7 @@ _MATCH: dict[Kind, tuple[int, ...]] = {
     Kind.AGREE: _COMMON + (W_OP, W_DTYPE, W_DIM0),
     Kind.JOIN: _COMMON,  # W_OP: the rank's join mark (see `engine.join`)
     Kind.FILLER: _COMMON,  # W_OP: `engine.matching` flags
+    Kind.MAKE: _COMMON + (W_DIM0, W_NDIM, W_TAIL),  # the shape: the ranks it is for
 }
 
 
@@ -216,6 +217,8 @@ def describe_row(row: np.ndarray[Any, Any]) -> str:
         text += f"(root={int(row[W_ROOT])})"
     if int(row[W_DTYPE]):
         text += f" {DTYPE_NAMES[int(row[W_DTYPE])]}{_shape_text(row)}"
+    elif kind is Kind.MAKE and int(row[W_NDIM]):
+        text += f" for ranks {_shape_text(row)}"
     name = label(row)
     return text + (f" name={name!r}" if name else "")
 

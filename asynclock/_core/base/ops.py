@@ -56,6 +56,7 @@ class Kind(enum.IntEnum):
     AGREE = 9
     JOIN = 10  # a rank that called join(): stands in for others' allreduces and barriers
     FILLER = 11  # a round that proposes nothing: keeps a lane with unmatched ops turning
+    MAKE = 12  # making a communicator or window: agreed first, then made (`engine.making`)
 
 
 # dtype codes: index into this table travels in headers.

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ from ..base.backoff import Backoff, wait_until
 from ..base.errors import NotInitializedError, ShutdownError
 from ..base.from_thread import name_os_thread
 from ..device import device
-from ..engine import header_round, staging
+from ..engine import header_round, making, staging
 from ..engine.join import join_lanes
 from ..engine.operation import Lane
 from ..engine.progress import Engine, EngineStatistics, ProgressPolicy
@@ -164,6 +164,31 @@ class Coordinator(Collectives, SyncPrimitives):
         """Serve `channel` (made collectively, e.g. a process set's) on this engine;
         `by_name`: the user's calls, matched by name once ranks disagree."""
         return self._engine.add_lane(Lane(channel, by_name))
+
+    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
+                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
+                         ) -> list[Lane] | None:
+        """Channels made after start-up (`engine.making`), served as lanes: agreed on the
+        user lane as a make of `what` for `ranks`, then `channels()` (a collective over
+        the world: None on ranks it leaves out) and each lane's own set-up run on a
+        wait thread. Every rank calls it, in the same order."""
+        self._check_open()
+
+        def build() -> list[Lane] | None:
+            made = channels()
+            if made is None:
+                return None
+            return [Lane(ch, named) for ch, named in zip(made, by_name, strict=True)]
+
+        def discard(lanes: list[Lane] | None) -> None:
+            for lane in lanes or ():
+                self.backend.close_channel(lane.transport)
+
+        lanes = await making.make(self._engine, self._lane, what, build, ranks=ranks,
+                                  discard=discard)
+        for lane in lanes or ():
+            self._engine.add_lane(lane)
+        return lanes
 
     def remove_lane(self, lane: Lane) -> None:
         """Stop serving a lane with nothing in flight and free its channel."""

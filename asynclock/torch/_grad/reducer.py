@@ -70,16 +70,21 @@ def stop_workers() -> None:
 
 def gradient_lane(coord: Coordinator) -> Lane:
     """The first reducer of a coordinator uses `coord.grad_lane`; each further one
-    gets a channel of its own (a collective: every rank creates reducers in the
-    same order). Rounds of different optimizers may then overlap in any timing
-    without ever interleaving on one channel. A joined rank serves them all."""
+    gets a channel of its own, made as an agreed call (`Coordinator.make_lanes`):
+    every rank creates reducers in the same order, and a rank that makes one
+    more than the others gets an error, as they do, instead of a hang. Rounds of
+    different optimizers may then overlap in any timing without ever interleaving
+    on one channel. A joined rank serves them all."""
     n = _lanes.get(coord, 0)
-    _lanes[coord] = n + 1
     if n == 0:
+        _lanes[coord] = 1
         return coord.grad_lane
-    lane = coord._add_lane(f"grad{n}")
-    coord.more_grad_lanes.append(lane)
-    return lane
+    lanes = coord.call_blocking(coord.make_lanes, "gradient lane",
+                                lambda: [coord.backend.channel(f"grad{n}")], (False,))
+    assert lanes is not None  # every rank is in the world
+    _lanes[coord] = n + 1  # counted once made, on every rank alike
+    coord.more_grad_lanes.extend(lanes)
+    return lanes[0]
 
 
 @dataclass(frozen=True)
