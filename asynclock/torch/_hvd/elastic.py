@@ -25,6 +25,7 @@ steps of the async API are closed, and `coord.train_step` makes new ones).
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -48,17 +49,21 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     the epoch got, so that after a reset the samples not yet processed are split
     over the new world: none is lost and none is seen twice.
 
-    Every rank takes every `size()`-th index of the epoch's order (shuffled with
-    `seed + epoch`, the same on every rank). `record_batch(batch_idx, batch_size)`
+    Every rank takes every `size()`-th index of the epoch's order, which is
+    Horovod's: `range(len(dataset))` shuffled by `random.Random(seed + epoch)`, the
+    same on every rank, so a state dict (`epoch`, `processed_num`) saved under
+    either library resumes at the same sample under the other, and the same script
+    sees the same samples in the same order. `record_batch(batch_idx, batch_size)`
     after each batch counts `batch_size * size()` samples processed: those are a
     prefix of the epoch's order. Keep the sampler in a `TorchState`, and call
     `set_epoch(epoch + 1)` at an epoch's end.
 
-    Unlike Horovod's sampler, no index is repeated to even out the shards: when
-    the samples left do not split evenly, some ranks get one more; with a batch
-    size that does not divide the shard, the last batch of those ranks is
-    larger by one (or one batch more: keep the number of batches equal across
-    ranks, e.g. with `drop_last`, or use `hvd.join()`).
+    Unlike Horovod's sampler, no index is repeated to even out the shards: each
+    rank's indices are those of Horovod's sampler, less the repeated one that ends
+    some ranks' shards there. When the samples left do not split evenly, some
+    ranks get one more; with a batch size that does not divide the shard, the last
+    batch of those ranks is larger by one (or one batch more: keep the number of
+    batches equal across ranks, e.g. with `drop_last`, or use `hvd.join()`).
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
@@ -87,10 +92,12 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     def epoch_order(self) -> list[int]:
         """Every index of the dataset in this epoch's order."""
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return [int(i) for i in torch.randperm(len(self.dataset), generator=generator)]
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            # Horovod's shuffle: `processed_num` counts a prefix of this order, so any
+            # other order would make a state dict of Horovod's name other samples.
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
 
     def reset(self) -> None:
         """Shard what is left of the epoch over the current world."""
@@ -159,7 +166,12 @@ class TorchState(ObjectState):
     """`hvd.elastic.TorchState(model=..., optimizer=..., sampler=..., epoch=0, ...)`:
     models, optimizers and `ElasticSampler`s by their state dicts, any other value
     as in `ObjectState`. Each is an attribute; assigning a new model or optimizer
-    to it commits that one at once, as in Horovod."""
+    to it commits that one at once, as in Horovod.
+
+    A commit keeps deep copies, where Horovod's keeps references to the other
+    values: a list or dict changed in place after a commit is rolled back by
+    `restore()` here, and kept by Horovod's (which rolls back only what was
+    assigned anew), so that after a lost rank the state is the last commit's."""
 
     _kept: dict[str, _Kept]
 
