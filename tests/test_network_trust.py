@@ -1,16 +1,21 @@
 """Only the job's ranks get into the sockets asynclock opens (docs/guide/security.md).
 
 In-process: the mesh handshake (`transports.handshake`) against foreign
-clients of every kind, the frame checks of an authenticated mesh, and the
+clients of every kind, a flood past its cap on pending handshakes and every
+transient `accept()` error, the frame checks of an authenticated mesh, and the
 address torch's store for the gloo bulk path listens on. Jobs: `horovodrun
 --gloo` at 2 and 3 ranks with ASYNCLOCK_MESH_HOLD, so the test's clients reach
 the ranks' mesh listeners before any real peer; the jobs must finish with
 correct results, refuse every client in one log line each, load nothing a
-client sent, and listen on loopback only.
+client sent, and listen on loopback only; a rank out of file descriptors
+(RLIMIT_NOFILE lowered) under a flood still joins; and the ranks and their
+children open no listener but asynclock's and Horovod's, all on the address
+the peers were told (no MPI singleton: the job's backend is not MPI).
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -30,8 +35,9 @@ from test_horovod import _mesh
 
 from asynclock._core.base.backoff import Deadline
 from asynclock._core.base.errors import BackendError
+from asynclock._core.transports import handshake
 from asynclock._core.transports.handshake import Acceptor, MeshKey, connect
-from asynclock._core.transports.mailbox import MAX_FRAME_BYTES, P2P
+from asynclock._core.transports.mailbox import LISTEN_BACKLOG, MAX_FRAME_BYTES, P2P
 
 SECRET = bytes(range(32))
 HELLO = struct.Struct("<4sHxxii32s")  # the handshake's first message, as a client forges it
@@ -128,7 +134,7 @@ class Intruder:
 
 # -- in-process: the handshake ---------------------------------------------------------
 def _acceptor(expected: set[int], handshake_s: float = 1.5) -> tuple[Acceptor, socket.socket]:
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server(("127.0.0.1", 0), backlog=LISTEN_BACKLOG)
     return Acceptor(listener, MeshKey(SECRET, "test.mesh"), 0, expected, handshake_s), listener
 
 
@@ -238,6 +244,187 @@ def test_a_rank_without_the_secret_cannot_join_nor_be_joined() -> None:
             connect(listener.getsockname(), MeshKey(SECRET, "test.mesh"), 1, 0, Deadline(5))
         out["thread"].join(10)  # type: ignore[attr-defined]
     assert other.refused == 1
+
+
+class Crowd:
+    """`n` idle connections to `address`, held open until `release`."""
+
+    def __init__(self, address: tuple[str, int], n: int) -> None:
+        self.sockets = [socket.create_connection(address, timeout=10) for _ in range(n)]
+        self.ports = [str(sock.getsockname()[1]) for sock in self.sockets]
+
+    def release(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def _log_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_a_flood_past_the_cap_cannot_keep_the_real_peers_out(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """200 idle connections queued ahead of the real peers: the acceptor holds at
+    most the cap of them at once, refusing the oldest idle one for each that comes
+    past it, and each real peer gets in at once, far within the handshake deadline."""
+    flood = 200
+    acceptor, listener = _acceptor({1, 2}, handshake_s=5.0)
+    address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
+    assert acceptor.cap() == 2 + handshake.FOREIGN_ROOM
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        crowd = Crowd(address, flood)
+        out = _run_acceptor(acceptor, 20)
+        took = []
+        for rank in (1, 2):
+            begun = time.perf_counter()
+            peer = connect(address, key, rank, 0, Deadline(10))
+            took.append(time.perf_counter() - begun)
+            peer.close()
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        crowd.release()
+    assert "error" not in out, out.get("error")
+    assert set(out["peers"]) == {1, 2}, out  # type: ignore[call-overload]
+    assert max(took) < 1.0, took
+    lines = _log_lines(caplog)
+    assert len(lines) == acceptor.refused == flood, (len(lines), acceptor.refused)
+    capped = [line for line in lines if "handshakes pending at once" in line]
+    # one per idle connection past the cap, and one for each real peer that came at it
+    assert len(capped) == flood - handshake.FOREIGN_ROOM, (len(capped), capped[:3])
+    cap = 2 + handshake.FOREIGN_ROOM
+    assert capped[0].endswith(f"it had shown the least of {cap + 1} handshakes pending at "
+                              f"once, {cap} the most this rank serves (1 refused so far)")
+    assert all("stopped accepting" in line for line in lines if line not in capped)
+
+
+def test_at_the_cap_the_connection_that_has_shown_the_least_goes_first(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing sent goes before part of a HELLO, which goes before a whole HELLO
+    awaiting its proof; among equals the oldest goes. The real peer, whose HELLO
+    comes with its connection, is never the one."""
+    monkeypatch.setattr(handshake, "FOREIGN_ROOM", 2)
+    acceptor, listener = _acceptor({1}, handshake_s=5.0)
+    address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        forged = Intruder(address, 0, send(hello(1, 0)))  # a whole HELLO, then no proof
+        assert forged.connected.wait(10)
+        time.sleep(0.05)
+        partial = Intruder(address, 0, send(hello(1, 0)[:20]))
+        assert partial.connected.wait(10)
+        time.sleep(0.05)
+        idle = Crowd(address, 2)  # the cap is 3: the fourth connection refuses one
+        out = _run_acceptor(acceptor, 10)
+        time.sleep(0.3)
+        first = _log_lines(caplog)
+        real = connect(address, key, 1, 0, Deadline(5))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        for client in (forged, partial):
+            client.release()
+        idle.release()
+    assert set(out["peers"]) == {1}, out  # type: ignore[call-overload]
+    lines = _log_lines(caplog)
+    ports = idle.ports
+    assert len(first) == 1 and first[0].split(": it ")[0].endswith(ports[0]), (first, ports)
+    assert "had shown the least of 4 handshakes pending at once, 3 the most" in first[0]
+    assert lines[1].split(": it ")[0].endswith(ports[1]), lines
+    assert "had shown the least of 4 handshakes pending at once" in lines[1], lines
+    assert len(lines) == 4 and all("stopped accepting" in line for line in lines[2:]), lines
+    real.close()
+
+
+def test_a_real_peer_counts_by_the_hello_it_sent_with_its_connection(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """At the cap with forged HELLOs awaiting their proofs, a real peer that comes
+    is read as it is accepted: it has shown as much as they have and is the newest,
+    so the oldest forged one goes, not the peer."""
+    monkeypatch.setattr(handshake, "FOREIGN_ROOM", 2)
+    acceptor, listener = _acceptor({1}, handshake_s=5.0)
+    address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        forged = [Intruder(address, 0, send(hello(1, 0))) for _ in range(3)]
+        assert all(client.connected.wait(10) for client in forged)
+        out = _run_acceptor(acceptor, 10)
+        time.sleep(0.3)
+        real = connect(address, key, 1, 0, Deadline(5))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        for client in forged:
+            client.release()
+    assert set(out["peers"]) == {1}, out  # type: ignore[call-overload]
+    lines = _log_lines(caplog)
+    assert "had shown the least of 4 handshakes pending at once" in lines[0], lines
+    assert len(lines) == 3, lines
+    real.close()
+
+
+class FlakyListener:
+    """A listening socket whose accept() first fails as `errors` say, one a call;
+    selectors see the real socket, so it is called only when a connection waits."""
+
+    def __init__(self, real: socket.socket, errors: list[int | None]) -> None:
+        self.real, self.errors = real, list(errors)
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        self.real.setblocking(flag)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.errors:
+            code = self.errors.pop(0)
+            if code is not None:
+                raise OSError(code, os.strerror(code))
+        return self.real.accept()
+
+
+TRANSIENT = [errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.EHOSTUNREACH,
+             errno.EPERM, errno.ETIMEDOUT]
+OUT_OF_RESOURCES = [errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM]
+
+
+def test_the_acceptor_survives_every_transient_accept_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two idle clients are accepted, then accept() fails every way it can while the
+    real peer waits in the queue: out of descriptors the acceptor refuses an idle
+    client to free one (the oldest first), with none left it waits a moment; each
+    kind of error is one log line however often it comes; the real peer gets in."""
+    acceptor, listener = _acceptor({1}, handshake_s=5.0)
+    address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
+    errors: list[int | None] = [None, None, errno.EMFILE, *TRANSIENT, *TRANSIENT,
+                                errno.ENFILE, *OUT_OF_RESOURCES, *OUT_OF_RESOURCES]
+    acceptor.listener = FlakyListener(listener, errors)  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
+        idle = Crowd(address, 2)
+        out = _run_acceptor(acceptor, 20)
+        real = connect(address, key, 1, 0, Deadline(15))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        idle.release()
+    assert "error" not in out, out.get("error")
+    assert set(out["peers"]) == {1}, out  # type: ignore[call-overload]
+    kinds = len(TRANSIENT) + len(OUT_OF_RESOURCES)
+    assert acceptor.accept_errors == len(errors) - 2, acceptor.accept_errors
+    lines = _log_lines(caplog)
+    failed = [line for line in lines if "could not accept a connection" in line]
+    assert len(failed) == kinds, failed
+    for code in TRANSIENT + OUT_OF_RESOURCES:
+        assert sum(f"[Errno {code}] {os.strerror(code)})" in line for line in failed) == 1
+    refused = [line for line in lines if "refused a connection" in line]
+    ports = idle.ports
+    assert [line.split(": it ")[0].rsplit(":", 1)[1] for line in refused] == ports, refused
+    assert all("had shown the least of" in line and "ran out of descriptors" in line
+               for line in refused), refused
+    real.close()
+
+
+def test_a_broken_listener_ends_the_mesh_at_once() -> None:
+    """EBADF and its kind say the listener itself is gone: no point waiting on."""
+    acceptor, listener = _acceptor({1})
+    acceptor.listener = FlakyListener(listener, [errno.EBADF])  # type: ignore[assignment]
+    with listener:
+        idle = Crowd(listener.getsockname(), 1)
+        out = _run_acceptor(acceptor, 10)
+        out["thread"].join(10)  # type: ignore[attr-defined]
+        idle.release()
+    assert "listener failed: [Errno 9]" in str(out["error"]), out
 
 
 def test_the_key_shows_nowhere() -> None:
