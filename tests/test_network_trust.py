@@ -520,16 +520,21 @@ Attacks = dict[tuple[str, int], list[tuple[str, Callable[[socket.socket, int], N
 SETTLE_S = 0.3  # rank 0 serves its clients while the others hold: this long before the go
 
 
-def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path,
-                       stall_s: float = 0.0) -> tuple[Job, list[str]]:
+Crowds = dict[tuple[str, int], int]
+
+
+def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path, stall_s: float = 0.0,
+                       crowds: Crowds | None = None,
+                       more_env: dict[str, str] | None = None) -> tuple[Job, list[str]]:
     """A trust_mesh.py job whose mesh listeners meet `attacks` first: per (mesh, rank),
-    (reason, attack). Rank 0 serves its clients as they come; the other ranks hold
-    until the test's go, so theirs wait in the listen backlog ahead of every real peer.
-    `stall_s`: added time before the mailbox mesh's go (a stalled client's deadline)."""
+    (reason, attack), and `crowds`: per (mesh, rank), how many idle connections. Rank 0
+    serves its clients as they come; the other ranks hold until the test's go, so theirs
+    wait in the listen backlog ahead of every real peer. `stall_s`: added time before
+    the mailbox mesh's go (a stalled client's deadline)."""
     hold, marker = tmp_path / "hold", tmp_path / "planted"
     hold.mkdir()
     env = {"ASYNCLOCK_MESH_HOLD": str(hold), "ASYNCLOCK_HANDSHAKE_S": "1",
-           "ASYNCLOCK_HEARTBEAT_S": "0.1"}
+           "ASYNCLOCK_HEARTBEAT_S": "0.1", **(more_env or {})}
     result: dict[str, Job] = {}
     done = threading.Event()
 
@@ -543,6 +548,7 @@ def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path,
     runner = threading.Thread(target=job)
     runner.start()
     intruders: list[Intruder] = []
+    held: list[Crowd] = []
     problems: list[str] = []
     try:
         for mesh in ("mailbox", "heartbeat"):
@@ -558,6 +564,8 @@ def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path,
             for (target, rank), planned in attacks.items():
                 if target == mesh:
                     intruders += [Intruder(addresses[rank], rank, a) for _, a in planned]
+            held += [Crowd(addresses[rank], n) for (target, rank), n in (crowds or {}).items()
+                     if target == mesh]
             problems += [f"{mesh}: a client could not connect"
                          for i in intruders if not i.connected.wait(10)]
             time.sleep(SETTLE_S + (stall_s if mesh == "mailbox" else 0.0))
@@ -568,6 +576,8 @@ def run_with_intruders(nranks: int, attacks: Attacks, tmp_path: Path,
         runner.join(150)
         for intruder in intruders:
             intruder.release()
+        for crowd in held:
+            crowd.release()
     assert not marker.exists(), "a foreign client's pickle was loaded"
     return result["job"], problems
 
@@ -636,3 +646,47 @@ def test_foreign_clients_first_at_three_ranks(tmp_path: Path) -> None:
     assert not problems, problems
     assert_labels(job, 3, "collectives")
     assert_refusals(job, attacks)
+
+
+FLOOD = 200  # idle connections on each flooded listener: past the cap, and the rank's descriptors
+
+
+def refusals(job: Job, mesh: str, rank: int) -> list[str]:
+    return re.findall(rf"asynclock\[rank {rank}\]: asynclock0\.{mesh} refused a connection "
+                      rf"from 127\.0\.0\.1:\d+: it (.*) \(\d+ refused so far\)", job.output)
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_flood_on_a_rank_out_of_descriptors(nranks: int, tmp_path: Path) -> None:
+    """200 idle connections on both meshes of rank 0, whose RLIMIT_NOFILE leaves it a
+    few dozen descriptors: accept() fails with EMFILE, reported once per mesh, and
+    each time the acceptor refuses the idle connection that has shown the least to
+    free one, so the real peers get in and the job runs. At 3 ranks rank 1 keeps its
+    descriptors and meets the flood with its cap instead: the flood waits in its
+    backlog, ahead of rank 2, until it accepts."""
+    need_gloo()
+    crowds: Crowds = {("mailbox", 0): FLOOD, ("heartbeat", 0): FLOOD}
+    if nranks == 3:
+        crowds.update({("mailbox", 1): FLOOD, ("heartbeat", 1): FLOOD})
+    job, problems = run_with_intruders(nranks, {}, tmp_path, crowds=crowds,
+                                       more_env={"TRUST_MESH_NOFILE": "0:40"})
+    assert not problems, problems
+    assert_labels(job, nranks, "collectives")
+    for (mesh, rank), n in crowds.items():
+        lines = refusals(job, mesh, rank)
+        assert len(lines) == n, (mesh, rank, len(lines), job.explain())
+        out_of_fds = [line for line in lines if "ran out of descriptors" in line]
+        capped = [line for line in lines if "handshakes pending at once" in line]
+        failed = re.findall(rf"asynclock\[rank {rank}\]: asynclock0\.{mesh} could not accept "
+                            r"a connection \((.*?)\)", job.output)
+        if rank == 0:
+            assert failed == ["[Errno 24] Too many open files"], (mesh, failed, job.explain())
+            assert out_of_fds and not capped, (mesh, lines[:5], job.explain())
+        else:
+            assert not failed and not out_of_fds, (mesh, failed, job.explain())
+            assert len(capped) >= n - (nranks - 1 - rank) - 64, (mesh, len(capped))
+    for rank in {r for _, r in crowds}:
+        total = sum(n for (_, r), n in crowds.items() if r == rank)
+        assert f"RANK {rank} OK refused {total}\n" in job.output, job.explain()
