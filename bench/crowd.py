@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from listeners import Listener, listeners  # noqa: E402
+from listeners import Listener, listeners, without_launcher  # noqa: E402
 from mpijob import Job, processes_with, run_horovodrun  # noqa: E402
 
 WATCH_S = 0.002  # the crowd looks for new listeners this often
@@ -60,9 +60,7 @@ class Crowd:
 
     def _pids(self) -> list[int]:
         pids = processes_with(self.token)
-        if self.launcher:
-            return pids
-        return [p for p in pids if b"horovodrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        return pids if self.launcher else without_launcher(pids)
 
     def _watch(self) -> None:
         if self.after is not None:

@@ -102,6 +102,12 @@ def _comm(pid: int) -> str:
         return "?"
 
 
+def without_launcher(pids: list[int]) -> list[int]:
+    """`pids` but horovodrun's own process, whose rendezvous server is the launcher's,
+    not a rank's."""
+    return [pid for pid in pids if _comm(pid) != "horovodrun"]
+
+
 def _namespace(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/ns/net")

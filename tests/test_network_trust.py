@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import json
 import logging
 import os
 import pickle
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpijob import Job, assert_labels, horovodrun_missing, run_horovodrun
+from listeners import Listener, listeners, without_launcher
+from mpijob import Job, assert_labels, horovodrun_missing, processes_with, run_horovodrun
 from test_horovod import _mesh
 
 from asynclock._core.base.backoff import Deadline
@@ -690,3 +692,113 @@ def test_a_flood_on_a_rank_out_of_descriptors(nranks: int, tmp_path: Path) -> No
     for rank in {r for _, r in crowds}:
         total = sum(n for (_, r), n in crowds.items() if r == rank)
         assert f"RANK {rank} OK refused {total}\n" in job.output, job.explain()
+
+
+class Watch:
+    """Every listener the processes carrying `token` and their children hold, each with
+    when it was first seen, looked up every WATCH_S in a thread (horovodrun's own
+    process left out: its rendezvous server is the launcher's)."""
+
+    WATCH_S = 0.003
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.seen: dict[int, tuple[float, Listener]] = {}  # by inode
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def look(self) -> None:
+        try:
+            found = listeners(without_launcher(processes_with(self.token)))
+        except OSError:  # a process ended while it was read
+            return
+        now = time.monotonic()
+        with self._lock:
+            for listener in found:
+                self.seen.setdefault(listener.inode, (now, listener))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.WATCH_S):
+            self.look()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_gloo_ranks_listen_only_where_their_peers_were_told(nranks: int,
+                                                            tmp_path: Path) -> None:
+    """From the job's start to its end, the ranks of a `horovodrun --gloo` job and the
+    processes they start hold no listener but asynclock's meshes and Horovod's gloo
+    pairs (opened in its init, before asynclock's first), all on the address the
+    peers were told (127.0.0.1: one host), and mpi4py's MPI is never loaded. An MPI
+    singleton's daemon and transports, on every interface, would show here."""
+    need_gloo()
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    result: dict[str, Job] = {}
+    done = threading.Event()
+
+    def job() -> None:
+        try:
+            result["job"] = run_horovodrun("open_ports.py", nranks, str(tmp_path), gloo=True,
+                                           timeout=120, env={"ASYNCLOCK_MESH_HOLD": str(hold)})
+        finally:
+            done.set()
+
+    watch = Watch(str(tmp_path))
+    runner = threading.Thread(target=job)
+    runner.start()
+    meshes: dict[tuple[int, int], str] = {}  # (rank, port) -> mesh
+    first_mesh: dict[int, float] = {}  # rank -> when its first mesh listener was announced
+    try:
+        for mesh in ("mailbox", "heartbeat"):
+            announced = [hold / f"asynclock0.{mesh}.{r}" for r in range(nranks)]
+            assert wait_for(announced, done), f"the {mesh} listeners were never announced"
+            for rank, path in enumerate(announced):
+                host, port = path.read_text().split()
+                assert host == "127.0.0.1", (mesh, rank, host)
+                meshes[(rank, int(port))] = mesh
+                first_mesh.setdefault(rank, path.stat().st_mtime - time.time()
+                                      + time.monotonic())
+            watch.look()  # while the ranks hold, every listener of this mesh is open
+            (hold / f"go.asynclock0.{mesh}").touch()
+        states = [tmp_path / f"rank.{r}" for r in range(nranks)]
+        assert wait_for(states, done), "the ranks never said they had started"
+        watch.look()
+        (tmp_path / "go").touch()
+    finally:
+        for mesh in ("mailbox", "heartbeat"):
+            (hold / f"go.asynclock0.{mesh}").touch()
+        (tmp_path / "go").touch()
+        runner.join(150)
+        watch.stop()
+    job = result["job"]
+    assert_labels(job, nranks, "started")
+    ranks = [json.loads(path.read_text()) for path in states]
+    rank_of = {state["pid"]: r for r, state in enumerate(ranks)}
+    problems, owners = [], {}
+    for inode, (at, listener) in watch.seen.items():
+        rank = rank_of.get(listener.pid)
+        if rank is None:
+            problems.append(f"{listener.row()} is not a rank's")
+            continue
+        if listener.address != "127.0.0.1":
+            problems.append(f"{listener.row()} (rank {rank}) is not on 127.0.0.1")
+        if (rank, listener.port) in meshes:
+            owners[inode] = f"asynclock {meshes[(rank, listener.port)]}"
+        elif inode in ranks[rank]["horovod"] or at < first_mesh[rank]:
+            owners[inode] = "horovod"
+        else:
+            problems.append(f"{listener.row()} (rank {rank}) is neither asynclock's nor "
+                            "Horovod's")
+    assert not problems, (problems, job.explain())
+    mesh_seen = {(rank_of[lis.pid], lis.port) for _, lis in watch.seen.values()
+                 if lis.pid in rank_of}
+    assert set(meshes) <= mesh_seen, (meshes, mesh_seen)  # the watch saw what was there
+    assert not any(state["mpi4py"] for state in ranks), ranks
