@@ -24,6 +24,8 @@ import pickle
 import re
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +34,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from listeners import Listener, listeners, without_launcher
-from mpijob import Job, assert_labels, horovodrun_missing, processes_with, run_horovodrun
+from mpijob import (
+    DEFAULT_KIND,
+    Job,
+    assert_labels,
+    horovodrun_missing,
+    mpi_select,
+    processes_with,
+    run_horovodrun,
+)
 from test_horovod import _mesh
 
 from asynclock._core.base.backoff import Deadline
@@ -504,6 +514,19 @@ def test_the_gloo_bulk_store_listens_on_the_address_it_gives_out() -> None:
         assert where is not None and where[0] == want, where
         want_hex = socket.inet_aton(want)[::-1].hex().upper()
         assert listening(where[1]) == [want_hex], (where, listening(where[1]))
+
+
+def test_the_fast_path_starts_no_mpi_where_none_is_up() -> None:
+    """Asked for the C rounds where MPI is not up, the fast path answers None and
+    imports nothing (mpi4py's MPI would initialise MPI); once MPI is up it loads."""
+    code = ("import sys\nimport asynclock._core.engine.fastpath as f\n"
+            "print(f.module() is None, 'mpi4py.MPI' in sys.modules)\n"
+            "from mpi4py import MPI\n"
+            "print(f.mpi_up(), f.module() is not None or not f.built_path().exists())\n")
+    env = {**mpi_select.environ_for(DEFAULT_KIND), "ASYNCLOCK_FASTPATH": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.stdout.split() == ["True", "False", "True", "True"], done
 
 
 # -- jobs ------------------------------------------------------------------------------------
