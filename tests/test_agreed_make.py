@@ -1,4 +1,5 @@
-"""Communicators and windows made after start-up are agreed calls (`engine.making`):
+"""Communicators and windows made after start-up are agreed calls (`engine.making`),
+and released with their owner (`torch._grad.release`):
 ranks out of step get an error on every rank within the stray timeout, never a hang
 inside MPI, and the job goes on. 3 ranks, on every MPI installed."""
 
@@ -22,3 +23,11 @@ def test_out_of_step_process_sets(kind: str) -> None:
 def test_out_of_step_optimizer(kind: str) -> None:
     job = run_job("agreed_make.py", 3, "--hvd", timeout=90, env=ENV, kind=kind)
     assert_labels(job, 3, "optimizer_desync", "optimizer_after", "done")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropped_optimizers_release_threads_windows_and_channels(kind: str) -> None:
+    """50 optimizers made, stepped past the re-plan (the shared-memory pipeline's thread
+    and window) and dropped: threads, windows and gradient lanes stay flat."""
+    job = run_job("optimizer_churn.py", 2, "50", timeout=180, kind=kind)
+    assert_labels(job, 2, "flat", "done")

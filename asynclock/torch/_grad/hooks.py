@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -44,11 +44,14 @@ class Bucketer:
         self._handles: list[Any] = []
 
     def register(self) -> None:
+        # The hooks hold the bucketer weakly: torch keeps post-accumulate hooks where
+        # the garbage collector cannot see them, so a strong reference would keep the
+        # optimizer, its threads and windows alive for as long as the model lives.
         for i, p in enumerate(self.registry.params):
             self._handles.append(p.register_hook(  # type: ignore[no-untyped-call]
-                partial(self._before_grad, i)))
+                _weakly(self._before_grad, i)))
             self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                partial(self._on_grad, i)))
+                _weakly(self._on_grad, i)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -131,3 +134,14 @@ class Bucketer:
             run.storage.pack(i, self.scale)
         self._arrived(run, left)
         return run
+
+
+def _weakly(method: Callable[[int, Any], Any], i: int) -> Callable[[Any], Any]:
+    """`method(i, arg)` while its object lives; nothing once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(arg: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(i, arg)
+
+    return hook

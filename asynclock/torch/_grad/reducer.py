@@ -41,6 +41,7 @@ from .hooks import Bucketer
 from .loop_access import LoopAccess
 from .priority import link_speed, priority_launch
 from .registry import ParamRegistry
+from .release import Held
 from .run import StepRun
 from .scheduler import Scheduler
 from .shard import Shards
@@ -165,6 +166,8 @@ class Reducer:
         self._shard_with: tuple[torch.optim.Optimizer, type[torch.optim.Optimizer]] | None = None
         self.updates = Updates(registry.params, self.unpack, self._apply, self._zero_grads,
                                loop.on_loop_thread, registry.describe)
+        # a gradient lane of its own (not the coordinator's first, not a process set's)
+        self.held = Held(coord, lane, lane in coord.more_grad_lanes)
         self.bucketer.register()
         _live.add(self)
 
@@ -213,6 +216,7 @@ class Reducer:
         """Round 1's update is in: parameters and state move into the node's window."""
         if self._shard_with is not None:
             self.shards = start_sharding(self, *self._shard_with)
+            self.held.windows.append(self.shards.win)
 
     def unshare(self) -> None:
         """Private parameters and state again (before the window goes away)."""
@@ -407,6 +411,9 @@ class Reducer:
         # every rank reaches this point in the same order of the lane's collectives
         comm = getattr(self.grad_lane.transport, "data", None)
         arena = SharedArena(comm, self._group_bytes(plan)) if shm else None
+        if arena is not None:
+            self.held.comms.append(arena.node)
+            self.held.windows.append(arena.win)
         storage = GradStorage(plan, self.registry, arena, arena is None and self._horovod_groups())
         storage.adopt()
         storage.writable = self._writable
@@ -418,6 +425,8 @@ class Reducer:
         self.transport = None if arena is None else ShmTransport(
             self.coord.engine, self.grad_lane, arena, plan, storage.peers, self.post,
             self.loop.call_soon, storage.handed)
+        if self.transport is not None:
+            self.held.transports.append(self.transport)
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1

@@ -48,6 +48,7 @@ from .apply import hyperparameters
 from .buckets import Plan
 from .registry import ParamRegistry
 from .shm_chunks import chunk
+from .windows import allocate_shared
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -215,7 +216,7 @@ class Shards:
         from mpi4py import MPI
 
         total = self.layout.total if self.me == 0 else 0
-        self.win = MPI.Win.Allocate_shared(total, 1, comm=node)
+        self.win = allocate_shared(total, node)
         # MPI_Win_sync is only valid inside a passive-target epoch (MPICH refuses it
         # outside one; Open MPI does not check): one epoch for the window's lifetime.
         self.win.Lock_all(MPI.MODE_NOCHECK)

@@ -39,6 +39,7 @@ from .run import StepRun
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
+from .windows import allocate_shared
 
 ALIGN = 64
 SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every rank updates "
@@ -76,7 +77,7 @@ class SharedArena:
         for group, n in sorted(group_bytes.items()):
             self.offsets[group] = total
             total += -(-n // ALIGN) * ALIGN
-        self.win = MPI.Win.Allocate_shared(total, 1, comm=self.node)
+        self.win = allocate_shared(total, self.node)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         memory: list[Any] = [self.win.Shared_query(q)[0] for q in range(self.size)]
         self.bases = [torch.frombuffer(m, dtype=torch.uint8, count=total) for m in memory]

@@ -108,8 +108,9 @@ class TrainStep:
         return self._reducer
 
     async def _build(self) -> None:
-        """First entry: a channel (a blocking collective, so in a worker thread),
-        the hooks, and the cross-rank agreement on parameters and options."""
+        """First entry: a channel (an agreed make, `Coordinator.make_lanes`, waited for
+        from a worker thread), the hooks, and the cross-rank agreement on parameters
+        and options."""
         model = None
         if self.mode is Finish.DEFERRED:
             assert self.model is not None
@@ -122,6 +123,7 @@ class TrainStep:
         reducer = Reducer(self.coord, self.loop, self.registry, self.options,
                           self._step_params, self._zero_params, lane)
         self._reducer = reducer
+        reducer.held.watch(self.optimizer)  # its threads and windows end when it is dropped
         if self._shard_wanted:
             reducer.shard_after_replan(self.optimizer, type(self.optimizer))
         try:

@@ -81,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             check_shard_transport(coord, lane, opts)
         self._reducer = Reducer(coord, loop, registry, opts, self._step_params, self._zero_params,
                                 lane)
+        self._reducer.held.watch(self)  # its threads and windows end when it is dropped
         self._shard_wanted = shard
         self._synced: StepRun | None = None  # sharded: synchronized, not yet stepped
         if shard:
