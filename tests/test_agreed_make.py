@@ -16,7 +16,7 @@ ENV = {"ASYNCLOCK_STRAY_S": "2"}
 @pytest.mark.parametrize("kind", KINDS)
 def test_out_of_step_process_sets(kind: str) -> None:
     job = run_job("agreed_make.py", 3, timeout=90, env=ENV, kind=kind)
-    assert_labels(job, 3, "desync", "differ", "done")
+    assert_labels(job, 3, "desync", "differ", "takeover", "done")
 
 
 @pytest.mark.parametrize("kind", KINDS)

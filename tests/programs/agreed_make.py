@@ -10,6 +10,8 @@ Run with ASYNCLOCK_STRAY_S small (the test sets 2 s) and at 3 ranks:
   then every rank makes the set and uses it.
 - `differ`: ranks make different process sets: the same `MismatchError` on every rank,
   naming each rank's call.
+- `takeover`: ranks that stopped waiting for a process set (a timeout) and ask for it
+  again get the one that pairs with the late rank's.
 - `--hvd`: rank 0 makes one `DistributedOptimizer` more than the others while they run
   an allreduce; both fail, then the job goes on.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import sys
 import time
 
+import anyio
 import torch
 from _common import report, run
 
@@ -64,11 +67,29 @@ async def check_differ(c: asynclock.Coordinator) -> None:
     report(c.rank, "differ")
 
 
+async def check_takeover(c: asynclock.Coordinator) -> None:
+    """A rank that stopped waiting for a make (a timeout) and makes the same thing
+    again takes the make in flight over: it pairs with the late rank's."""
+    if c.rank == 1:
+        await anyio.sleep(1.0)  # late, outside any collective
+    else:
+        with anyio.move_on_after(0.2) as scope:
+            await c.process_set([0, 2])
+        assert scope.cancelled_caught, "the late rank was not waited for"
+    evens = await c.process_set([0, 2])
+    if evens.included:
+        got = await evens.api.allreduce(torch.full((2,), float(c.rank)))
+        assert torch.equal(got, torch.full((2,), 2.0)), got
+    await c.remove_process_set(evens)
+    report(c.rank, "takeover")
+
+
 async def main() -> None:
     async with asynclock.start() as c:
         assert c.size == 3, "run at 3 ranks"
         await check_desync(c)
         await check_differ(c)
+        await check_takeover(c)
         report(c.rank, "done")
 
 

@@ -86,6 +86,16 @@ def make_call(lane: Lane, what: str, ranks: tuple[int, ...] = ()) -> Call:
     return Call(Kind.MAKE, lane.next_seq(name), name=name, shape=ranks)
 
 
+def _abandoned(lane: Lane, what: str, ranks: tuple[int, ...]) -> MakeOp[Any] | None:
+    """The same make, still in flight here after its caller stopped waiting (a timeout
+    that cancelled it while the other ranks had not come yet): the new call takes
+    it over, since the other ranks' make pairs with it, not with a new one."""
+    held = lane.names.get(f"make {what}")
+    if isinstance(held, MakeOp) and held.detached and held.call.shape == ranks:
+        return held
+    return None
+
+
 async def make(engine: Engine, lane: Lane, what: str, build: Callable[[], T], *,
                ranks: tuple[int, ...] = (),
                discard: Callable[[T], None] | None = None) -> T:
@@ -93,8 +103,12 @@ async def make(engine: Engine, lane: Lane, what: str, build: Callable[[], T], *,
 
     `build` is a collective over the lane's ranks (it may block inside MPI);
     `discard` frees what it made on a rank whose caller stopped waiting."""
-    op: MakeOp[T] = MakeOp(lane, make_call(lane, what, ranks), build, discard)
-    staging.submit(engine, lane, op)
+    op: MakeOp[T] | None = _abandoned(lane, what, ranks)
+    if op is not None:
+        op.detached = False
+    else:
+        op = MakeOp(lane, make_call(lane, what, ranks), build, discard)
+        staging.submit(engine, lane, op)
     try:
         made: T = await engine.wait(op)
     except BaseException:
