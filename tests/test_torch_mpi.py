@@ -217,10 +217,10 @@ def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], back
 
 # -- the shared window on the other MPI ---------------------------------------------------
 # MPICH checks RMA synchronization (MPI_Win_sync only inside a passive-target epoch) where
-# Open MPI lets it pass, so the window's users run on both MPIs: one 2-rank job each.
+# Open MPI lets it pass, so the window's users run on both MPIs: one 3-rank job each.
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_shm_pipeline_on_the_other_mpi(kind: str) -> None:
-    assert_labels(job("torch_grads.py", 2, "mpi", "shm", kind=kind), 2, "transport_shm",
+    assert_labels(job("torch_grads.py", 3, "mpi", "shm", kind=kind), 3, "transport_shm",
                   "identical_20_steps", "caps_default", "handed_some_ranks",
                   "gated_bit_identical", "mismatch_buckets_shm")
 
