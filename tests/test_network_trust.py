@@ -505,12 +505,13 @@ def listening(port: int) -> list[str]:
 
 def test_the_gloo_bulk_store_listens_on_the_address_it_gives_out() -> None:
     """torch's TCPStore binds every interface by itself; rank 0's store for the gloo
-    bulk path listens on loopback within one node, on the host's address across."""
+    bulk path and the device path (`process_group`) listens on loopback within one node,
+    on the host's address across."""
     pytest.importorskip("torch.distributed")
-    from asynclock._core.transports import gloo_bulk
+    from asynclock._core.transports import process_group
 
     for spans, want in ((False, "127.0.0.1"), (True, socket.gethostbyname(socket.gethostname()))):
-        where = gloo_bulk._serve(2, spans)
+        where = process_group.serve(2, spans)
         assert where is not None and where[0] == want, where
         want_hex = socket.inet_aton(want)[::-1].hex().upper()
         assert listening(where[1]) == [want_hex], (where, listening(where[1]))

@@ -120,6 +120,11 @@ DECLARED: tuple[Setting, ...] = (
     _s("SYNC_COLD_SLEEP_US", "number", "100000", "Longest sleep of the sync message pump "
        "while nothing happens."),
     # -- CUDA ---------------------------------------------------------------------------------
+    _s("CUDA_PATH", "text", "auto", "How CUDA tensors travel: NCCL through a private "
+       "torch.distributed group where every rank has a GPU of its own (`auto`, `nccl`), "
+       "host staging into MPI (`staged`), device buffers into a CUDA-aware MPI (`direct`); "
+       "`gloo-twin` runs the NCCL path's code on CPU tensors over gloo (tests).",
+       agree=True, choices=("auto", "nccl", "staged", "direct", "gloo-twin")),
     _s("CUDA_DIRECT", "text", "auto", "Allreduces on device memory straight to a CUDA-aware "
        "MPI (1), never (0), or where the MPI supports it.", choices=("auto", "0", "1")),
     _s("CUDA_WAIT", "text", "auto", "How `asynclock.cuda.wait` waits for GPU work: poll, a "

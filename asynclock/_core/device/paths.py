@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..base import settings
+from ..transports.process_group import chosen_device_path
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -159,9 +160,15 @@ def horovod_gpu() -> str | None:
 
 
 def describe() -> str:
-    """One line for logs: how CUDA tensors travel in this process."""
+    """One line for logs: how CUDA tensors travel in this process, and why."""
     s = cuda_support()
-    path = "device buffers to MPI" if s.direct else "host staging (pinned, copy streams)"
+    chosen = chosen_device_path()
+    if chosen is not None and chosen.backend is not None:
+        path = f"{chosen.path} through a private process group ({chosen.reason})"
+    else:
+        path = "device buffers to MPI" if s.direct else "host staging (pinned, copy streams)"
+        if chosen is not None:
+            path += f" ({chosen.reason})"
     hvd = horovod_gpu()
     extra = f"; horovod GPU ops: {hvd}" if hvd else ""
     return f"cuda transport: {path} [{s.library}, cuda_aware={s.cuda_aware}: {s.how}]{extra}"

@@ -86,12 +86,13 @@ def make_call(lane: Lane, what: str, ranks: tuple[int, ...] = ()) -> Call:
     return Call(Kind.MAKE, lane.next_seq(name), name=name, shape=ranks)
 
 
-def _abandoned(lane: Lane, what: str, ranks: tuple[int, ...]) -> MakeOp[Any] | None:
-    """The same make, still in flight here after its caller stopped waiting (a timeout
-    that cancelled it while the other ranks had not come yet): the new call takes
-    it over, since the other ranks' make pairs with it, not with a new one."""
+def _in_flight(lane: Lane, what: str, ranks: tuple[int, ...]) -> MakeOp[Any] | None:
+    """The same make, still in flight on this rank: its caller stopped waiting (a
+    timeout, a cancelled task) while the other ranks had not come yet, or another
+    task asks for the same thing. The new call waits for it too, since that is the
+    make the other ranks' make pairs with."""
     held = lane.names.get(f"make {what}")
-    if isinstance(held, MakeOp) and held.detached and held.call.shape == ranks:
+    if isinstance(held, MakeOp) and held.call.shape == ranks:
         return held
     return None
 
@@ -103,7 +104,7 @@ async def make(engine: Engine, lane: Lane, what: str, build: Callable[[], T], *,
 
     `build` is a collective over the lane's ranks (it may block inside MPI);
     `discard` frees what it made on a rank whose caller stopped waiting."""
-    op: MakeOp[T] | None = _abandoned(lane, what, ranks)
+    op: MakeOp[T] | None = _in_flight(lane, what, ranks)
     if op is not None:
         op.detached = False
     else:

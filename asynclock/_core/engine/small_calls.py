@@ -391,9 +391,9 @@ class TinyCollectives:
         """None: not for this path (a bulk size, a 16-bit float, or an op the general
         path rejects); above INLINE_BYTES the data follows in its own allreduce."""
         staged = a.nbytes > INLINE_BYTES
-        if code == BFLOAT16 or (staged and (code in HALF_CODES
+        if code == BFLOAT16 or (staged and (code in HALF_CODES or staging.cpu_twin()
                                             or a.nbytes >= self._engine.policy.thread_min_bytes)):
-            return None
+            return None  # the twin's data goes through the device group, as CUDA data does
         try:
             rop = as_reduce_op(op)
         except ValueError:

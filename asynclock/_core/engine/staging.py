@@ -48,6 +48,7 @@ from ..base import tensors
 from ..base.tensors import Buffer, InputFault, InputRejected, as_buffer
 from ..device.device import copy_streams
 from ..device.events import BucketSync, current_bucket_sync, record
+from .device_pg import make_pg, pg_eligible
 from .operation import Lane, Operation
 from .progress import Engine
 
@@ -163,7 +164,19 @@ def staged_of(op: Operation) -> Staged | None:
 tensors.use_stager(stage_tensor)
 
 _GATES: dict[Lane, LaneGate] = {}
-_USED = [False]  # set by the first Staged of this process
+_USED = [False]  # set by the first Staged of this process, or by the CPU twin
+_TWIN = [False]  # ASYNCLOCK_CUDA_PATH=gloo-twin: CPU tensors take the NCCL path's code
+
+
+def cpu_twin() -> bool:
+    """Whether CPU tensors take the process-group path (`use_cpu_twin`)."""
+    return _TWIN[0]
+
+
+def use_cpu_twin() -> None:
+    """CPU tensors of the user's calls take the process-group path (gloo), as CUDA
+    tensors take it over NCCL: the tests' stand-in for a GPU."""
+    _TWIN[0] = _USED[0] = True
 _HOLD: list[Any] = [None]  # inside `holding(event)`: that event
 
 
@@ -172,6 +185,8 @@ def submit(engine: Engine, lane: Lane, op: Operation) -> Operation:
     if not _GATES and not _USED[0] and _HOLD[0] is None:
         return engine.submit(op)  # a process that never staged: three global lookups
     staged = staged_of(op)
+    if staged is None and _TWIN[0] and pg_eligible(op, lane):
+        make_pg(op)  # the NCCL path's CPU twin: a CPU tensor through the gloo group
     hold = _HOLD[0]
     if staged is None and hold is None and lane not in _GATES:
         return engine.submit(op)
@@ -270,6 +285,9 @@ def _launch(staged: Staged, op: Operation, lane: Lane) -> Any:
     """Pick the path for one CUDA operation; return the event that gates it."""
     from .direct import direct_eligible, make_direct
 
+    if pg_eligible(op, lane):
+        make_pg(op)
+        return staged.ready
     if direct_eligible(op, lane):
         make_direct(op)
         return staged.ready

@@ -122,6 +122,9 @@ class Coordinator(Collectives, SyncPrimitives):
         self._engine = Engine(policy)
         header_round.yield_when_idle(backend.local_size > _cores())
         self._lane = self._add_lane("user", by_name=True)
+        path = getattr(backend, "device_path", None)  # chosen with the first channel
+        if path is not None and path.path == "gloo-twin":
+            staging.use_cpu_twin()
         self._tiny = TinyCollectives(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
         self.more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
@@ -187,7 +190,8 @@ class Coordinator(Collectives, SyncPrimitives):
         lanes = await making.make(self._engine, self._lane, what, build, ranks=ranks,
                                   discard=discard)
         for lane in lanes or ():
-            self._engine.add_lane(lane)
+            if lane not in self._engine.lanes:  # a second caller of the same make
+                self._engine.add_lane(lane)
         return lanes
 
     def remove_lane(self, lane: Lane) -> None:

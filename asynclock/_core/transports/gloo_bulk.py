@@ -31,25 +31,21 @@ node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 
 from __future__ import annotations
 
-import socket
-import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from ..base import settings
 from ..base.ops import ReduceOp
+from .process_group import PGGroup, PGStore, agreed, backend_usable
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
 # Without a probe (ASYNCLOCK_BULK=gloo) gloo takes allreduces from ASYNCLOCK_GLOO_MIN_BYTES,
 # 16 MiB by default: over TCP it beats MPICH only from there (Open MPI from smaller sizes;
 # figures on the benchmarks page).
-SETUP_TIMEOUT = timedelta(seconds=60)
-OP_TIMEOUT = timedelta(seconds=600)  # a dead peer resets the connection long before
 
 
 def mode() -> str:
@@ -61,31 +57,12 @@ def gloo_min_bytes() -> int:
     return int(settings.number("ASYNCLOCK_GLOO_MIN_BYTES"))
 
 
-def _gloo_usable() -> bool:
-    """torch with gloo, already imported by the program (asynclock alone never
-    pays for importing torch)."""
-    if "torch" not in sys.modules:
-        return False
-    try:
-        import torch.distributed as dist
-
-        return bool(dist.is_available() and dist.is_gloo_available())
-    except ImportError:
-        return False
-
-
-def _agreed(comm: Any, ok: bool) -> bool:
-    from mpi4py import MPI
-
-    return bool(comm.allreduce(int(ok), op=MPI.MIN))
-
-
-class GlooStore:
-    """One TCP store per backend (rank 0 serves it); a gloo group per channel."""
+class GlooStore(PGStore):
+    """The backend's store (`process_group`), with the size from which gloo takes
+    allreduces; a gloo group per channel."""
 
     def __init__(self, store: Any, rank: int, size: int) -> None:
-        self.store, self.rank, self.size = store, rank, size
-        self._made = 0
+        super().__init__(store, rank, size)
         self.min_bytes: int | None = gloo_min_bytes()  # the probe may lower it
 
     @classmethod
@@ -94,67 +71,20 @@ class GlooStore:
         every rank reached (or None on all), and why (`MPIBackend.bulk_choice`)."""
         if mode() == "mpi" or (mode() == "auto" and not spans):  # "measure": probe anyway
             return None, f"mpi ({'ASYNCLOCK_BULK=mpi' if mode() == 'mpi' else 'one node'})"
-        if not _agreed(comm, _gloo_usable()):
+        if not agreed(comm, backend_usable("gloo")):
             return None, "mpi (torch with gloo not imported on every rank)"
-        where = _serve(comm.Get_size(), spans) if comm.Get_rank() == 0 else None
-        store = _reach(comm, comm.bcast(where, root=0))
-        if not _agreed(comm, store is not None):
-            return None, "mpi (a rank could not reach rank 0's gloo store)"
+        store, why = PGStore.open(comm, spans)
+        if store is None:
+            return None, f"mpi ({why})"
         made = cls(store, comm.Get_rank(), comm.Get_size())
         if mode() == "gloo":
             return made, "gloo (ASYNCLOCK_BULK=gloo)"
-        made.min_bytes, choice = _probe(comm, made.group("probe"))
+        made.min_bytes, choice = _probe(comm, made.bulk_group("probe"))
         return (made if made.min_bytes is not None else None), choice
 
-    def group(self, name: str) -> GlooGroup:
-        """A channel's group, connected on its first allreduce (every rank makes
-        channels in the same order, so the names agree)."""
-        self._made += 1
-        return GlooGroup(self, f"asynclock/{self._made}/{name}")
-
-    def connect_group(self, prefix: str) -> Any:
-        """Blocking rendezvous of every rank under `prefix` (in a lane's wait thread)."""
-        import torch.distributed as dist
-
-        prefixed = dist.PrefixStore(prefix, self.store)  # type: ignore[attr-defined]
-        return dist.ProcessGroupGloo(prefixed, self.rank, self.size, OP_TIMEOUT)
-
-
-_SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
-
-
-def _serve(size: int, spans: bool) -> tuple[str, int] | None:
-    """Rank 0: listen on the one address the other ranks are given (loopback within a
-    node, the host's address across hosts). torch's store would listen on every
-    interface, so it gets a socket already bound to that address."""
-    import torch.distributed as dist
-
-    try:
-        addr = socket.gethostbyname(socket.gethostname()) if spans else "127.0.0.1"
-        listener = socket.create_server((addr, 0), backlog=size + 16)
-    except OSError:
-        return None
-    port = listener.getsockname()[1]
-    try:  # the store owns the socket from here on
-        store = dist.TCPStore(addr, port, size, True, SETUP_TIMEOUT, wait_for_workers=False,  # type: ignore[attr-defined]
-                              master_listen_fd=listener.detach())
-    except (OSError, RuntimeError):
-        return None
-    _SERVER.append(store)
-    return addr, port
-
-
-def _reach(comm: Any, where: tuple[str, int] | None) -> Any:
-    if where is None:
-        return None
-    if comm.Get_rank() == 0:
-        return _SERVER[-1]
-    import torch.distributed as dist
-
-    try:
-        return dist.TCPStore(where[0], where[1], comm.Get_size(), False, SETUP_TIMEOUT)  # type: ignore[attr-defined]
-    except (OSError, RuntimeError):
-        return None
+    def bulk_group(self, name: str) -> GlooGroup:
+        """A channel's bulk allreduce group (connected on its first allreduce)."""
+        return GlooGroup(self, self.group(name, "gloo"))
 
 
 PROBE_SIZES = (4 << 20, 16 << 20)  # the bucket cap, and a large user tensor
@@ -302,10 +232,12 @@ class GlooGroup:
     thread (each channel has its own, and its calls come in agreed order), so
     channels that never move 16 MiB at once never connect."""
 
-    def __init__(self, store: GlooStore, prefix: str) -> None:
-        self.store, self.prefix = store, prefix
-        self.pg: Any = None
-        self.calls = 0  # written by the channel's wait thread only
+    def __init__(self, store: GlooStore, group: PGGroup) -> None:
+        self.store, self.group = store, group
+
+    @property
+    def calls(self) -> int:
+        return self.group.calls
 
     def handles(self, data: Array, op: ReduceOp) -> bool:
         """Large enough to gain (measured: `_probe`), in a dtype gloo sums."""
@@ -315,19 +247,7 @@ class GlooGroup:
     def allreduce(self, data: Array, op: ReduceOp, send: Array | None = None) -> None:
         """Reduce into `data` (from `send` when given; AVERAGE sums, the caller divides)."""
         import torch
-        import torch.distributed as dist
 
         if send is not None:
             data[...] = send
-        if self.pg is None:
-            self.pg = self.store.connect_group(self.prefix)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _GLOO_OPS(dist)[op]
-        self.pg.allreduce([torch.from_numpy(data.reshape(-1))], opts).wait()
-        self.calls += 1
-
-
-def _GLOO_OPS(dist: Any) -> dict[ReduceOp, Any]:  # noqa: N802 - a table, looked up late
-    r = dist.ReduceOp
-    return {ReduceOp.SUM: r.SUM, ReduceOp.AVERAGE: r.SUM, ReduceOp.MIN: r.MIN,
-            ReduceOp.MAX: r.MAX, ReduceOp.PRODUCT: r.PRODUCT}
+        self.group.allreduce(torch.from_numpy(data.reshape(-1)), op)

@@ -17,6 +17,7 @@ from .heartbeat import MPIHeartbeats
 from .node_segment import NodeSegment
 from .node_segment import make as make_segment
 from .node_window import NodeWindow
+from .process_group import DevicePath, PGGroup, PGStore, choose_device_path
 from .ring import ring_allreduce_half
 
 
@@ -90,7 +91,8 @@ def _scaled(counts: list[int], arr: Array) -> list[int]:
 class MPIChannel:
     """One subsystem's private header and data communicators."""
 
-    def __init__(self, world: Any, name: str, gloo: GlooStore | None = None) -> None:
+    def __init__(self, world: Any, name: str, gloo: GlooStore | None = None,
+                 device: PGStore | None = None, device_backend: str | None = None) -> None:
         self.name = name
         self.hdr = world.Dup()  # the compact header rounds (and Ibarrier)
         self.rows = world.Dup()  # the rows rounds, which follow in header order
@@ -105,7 +107,11 @@ class MPIChannel:
         self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
-        self._bulk_view = BulkChannel(self, gloo.group(name) if gloo is not None else None)
+        self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None)
+        # CUDA tensors' data stages (`engine.device_pg`): NCCL, or gloo in its CPU twin
+        self.device_group: PGGroup | None = None
+        if device is not None and device_backend is not None:
+            self.device_group = device.channel_group(name, device_backend, self.rank, self.size)
 
     compact = True  # header rounds: `iallreduce_compact`, then rows when asked
 
@@ -173,6 +179,8 @@ class MPIChannel:
     def close(self) -> None:
         """Free every communicator; only called once nothing is in flight."""
         self._bulk_view.close()
+        if self.device_group is not None:
+            self.device_group.abort()
         for comm in (self.hdr, self.rows, self.data, self.p2p, self.bulk):
             if comm != _mpi().COMM_NULL:
                 comm.Free()
@@ -198,6 +206,8 @@ class MPIBackend:
         self.thread_level = MPI.Query_thread()
         self._gloo: GlooStore | None = None
         self.bulk_choice = ""  # how bulk allreduces travel, decided at the first channel
+        self._device: PGStore | None = None
+        self.device_path: DevicePath | None = None  # how CUDA tensors travel (first channel)
         self._channels: list[MPIChannel] = []
         # The watchdog's heartbeats travel on their own communicator, so they
         # never match anything else and a busy data channel cannot delay them.
@@ -210,7 +220,9 @@ class MPIBackend:
         if not self.bulk_choice:
             spans = self.local_size < self.size
             self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
-        ch = MPIChannel(self.world, name, self._gloo)
+            self.device_path, self._device = choose_device_path(
+                self.world, self.local_size, spans, settings.text("ASYNCLOCK_CUDA_PATH"))
+        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend())
         self._channels.append(ch)
         return ch
 
@@ -224,11 +236,15 @@ class MPIBackend:
         if not member:
             return None
         try:
-            channels = [MPIChannel(sub, name) for name in names]
+            channels = [MPIChannel(sub, name, None, self._device, self._device_backend())
+                        for name in names]
         finally:
             sub.Free()
         self._channels.extend(channels)
         return channels
+
+    def _device_backend(self) -> str | None:
+        return self.device_path.backend if self.device_path is not None else None
 
     def close_channel(self, channel: Any) -> None:
         """Free one channel's communicators (its members, once nothing is in flight)."""

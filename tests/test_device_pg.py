@@ -1,0 +1,31 @@
+"""The NCCL path's code in CI: `ASYNCLOCK_CUDA_PATH=gloo-twin` sends CPU tensors through
+the channel's private process group over gloo, exactly as a GPU job sends CUDA tensors
+over NCCL (`engine.device_pg`, `transports.process_group`); only the backend differs."""
+
+from __future__ import annotations
+
+import pytest
+from mpijob import DEFAULT_KIND, OTHER_KINDS, assert_all_ok, assert_labels, run_job
+
+TWIN = {"ASYNCLOCK_CUDA_PATH": "gloo-twin"}
+
+
+@pytest.mark.parametrize("kind, nranks, loop", [
+    (DEFAULT_KIND, 2, "asyncio"), *[(k, 3, "trio") for k in OTHER_KINDS]])
+def test_device_path_twin(kind: str, nranks: int, loop: str) -> None:
+    args = ["--trio"] if loop == "trio" else []
+    job = run_job("device_pg.py", nranks, *args, timeout=120, env=TWIN, kind=kind)
+    assert_labels(job, nranks, "values", "mismatch_cancel", "process_set", "done")
+
+
+def test_collectives_matrix_through_the_twin() -> None:
+    """Every collective, every dtype and error case, with the device path on."""
+    job = run_job("collectives_matrix.py", 3, timeout=240, env=TWIN)
+    assert job.returncode == 0, job.explain()
+
+
+def test_the_path_is_agreed_and_says_why() -> None:
+    """`auto` on a CPU-only job: host staging, and `cuda.describe()` says why."""
+    job = run_job("device_pg.py", 2, "--describe", timeout=60)
+    assert_all_ok(job, 2, "describe")
+    assert "nccl not usable on every rank" in job.output, job.explain()
