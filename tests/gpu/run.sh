@@ -2,12 +2,15 @@
 # GPU check for asynclock.cuda and asynclock.staging: one script, no internet.
 #
 #   bash tests/gpu/run.sh            # from anywhere; finishes in < 8 min on one H200
+#   bash tests/gpu/run.sh --dry-run  # no GPU: the project's .venv, CPU tensors, gloo for NCCL
+#                                    # (what can run without a GPU; CI runs it)
 #
 # What it runs, each step under its own `timeout` and a global 7.5-minute budget:
 #   1. nvidia-smi
 #   2. a Python environment with CUDA torch (see below)
 #   3. tests/test_cuda.py          CPU paths (no-ops, polling against the event protocol, gate order)
 #   4. tests/gpu/ -m gpu           GPU tests in-process + MPI jobs at 1 rank and 2 ranks sharing the GPU
+#   4b. tests/gpu/nccl_path.py     the NCCL path at 1 rank; 2 ranks sharing the GPU agree on staging
 #   5. tests/gpu/bench_wait_gpu.py poll vs thread vs blocking waits (latency, CPU, loop liveness)
 #   6. tests/gpu/bench_train_gpu.py on 1 rank and on 2 ranks sharing the GPU
 # then prints a summary (PASS/FAIL per step and the benchmark medians) and exits non-zero
@@ -70,6 +73,27 @@ summary() {
   echo "overall: $([ "$FAILED" = 0 ] && echo PASS || echo FAIL)"
 }
 trap summary EXIT
+
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+launcher() {  # launcher N: the MPI launcher's words for N ranks
+  "$PY" mpi/select.py launcher "$ASYNCLOCK_TEST_MPI" -n "$1"
+}
+
+if [ "$DRY" = 1 ]; then
+  # The script's own steps, where no GPU is: CPU tensors, and gloo where NCCL would be.
+  PY=$ROOT/.venv/bin/python
+  RESULTS+=("PASS  dry run: $PY, CPU tensors, ASYNCLOCK_CUDA_PATH=gloo-twin")
+  eval "$("$PY" mpi/select.py env "$ASYNCLOCK_TEST_MPI")"
+  # CI runs tests/test_cuda.py itself: here only its collection, so the step's words stay right
+  step test_cuda_cpu_paths 120 "$PY" -m pytest -q -p no:cacheprovider --co tests/test_cuda.py
+  read -r -a L1 <<< "$(launcher 1)"
+  read -r -a L2 <<< "$(launcher 2)"
+  ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  [ "$FAILED" = 0 ]
+  exit
+fi
 
 # -- 1. the GPU --------------------------------------------------------------------------
 log "nvidia-smi"
@@ -137,12 +161,15 @@ timeout 60 "$PY" mpi/select.py describe 2>/dev/null | head -3 || true
 step test_cuda_cpu_paths 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
 ASYNCLOCK_REQUIRE_GPU=1 step test_gpu 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
 
+# -- 4b. the NCCL path: 1 rank over NCCL; 2 ranks on one GPU agree on staging (NCCL refuses) --
+eval "$("$PY" mpi/select.py env "$ASYNCLOCK_TEST_MPI")"
+read -r -a L1 <<< "$(launcher 1)"
+read -r -a L2 <<< "$(launcher 2)"
+step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py
+step nccl_path_2ranks_1gpu 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py
+
 # -- 5-6. benchmarks -----------------------------------------------------------------------
 step bench_wait 120 "$PY" tests/gpu/bench_wait_gpu.py --reps 15
-LAUNCH=$("$PY" mpi/select.py launcher "$ASYNCLOCK_TEST_MPI" -n 1)
-eval "$("$PY" mpi/select.py env "$ASYNCLOCK_TEST_MPI")"
-read -r -a L1 <<< "$LAUNCH"
-read -r -a L2 <<< "$("$PY" mpi/select.py launcher "$ASYNCLOCK_TEST_MPI" -n 2)"
 step bench_train_1rank 150 "${L1[@]}" "$PY" tests/gpu/bench_train_gpu.py --steps 30
 step bench_train_2ranks_1gpu 180 "${L2[@]}" "$PY" tests/gpu/bench_train_gpu.py --steps 30
 [ "$FAILED" = 0 ]

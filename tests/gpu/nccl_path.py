@@ -1,0 +1,128 @@
+"""Rank program for the NCCL path (`engine.device_pg`): run under mpiexec.
+
+On a GPU (default): CUDA tensors. At 1 rank every allreduce and broadcast above the
+header's inline size goes over NCCL on the channel's private group; at 2 ranks sharing
+one GPU NCCL refuses, so every rank agrees on host staging and says why. With `--cpu`
+(the dry run CI makes of the GPU check): CPU tensors through the same code over gloo
+(`ASYNCLOCK_CUDA_PATH=gloo-twin`, set by the caller).
+
+Checks, each printing `RANK r OK <label>`:
+
+* path: `cuda.describe()` names the path every rank agreed on;
+* values: allreduce (sum, average, max; float32, float16, bfloat16, int64), in place
+  and not, broadcast from every root, against exact expectations;
+* race_producer: the tensor is written after a ~80 ms spin kernel on a side stream and
+  the collective starts at once: it must reduce the late value (the call waits for the
+  producer's stream, not the host);
+* race_consumer: the result is read by a kernel right after the call returns, on
+  the caller's stream: it must see the reduced value (consumers wait by stream);
+* reset: the coordinator is shut down (its groups aborted) and started again, as an
+  elastic reset re-forms the world, and a collective on the new group is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "programs"))
+from _common import report  # noqa: E402
+
+import asynclock  # noqa: E402
+from asynclock import cuda  # noqa: E402
+
+CPU = "--cpu" in sys.argv
+N = 1 << 18  # past the inline size and the small-call sizes
+SLOW_MS = 80.0
+
+
+def device() -> torch.device:
+    if CPU:
+        return torch.device("cpu")
+    cuda.set_device()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def expected_path(size: int) -> str:
+    if CPU:
+        return "gloo-twin through a private process group"
+    return "nccl through a private process group" if size == 1 else "host staging"
+
+
+def group_calls(c: asynclock.Coordinator) -> int:
+    group = getattr(c.engine.lanes[0].transport, "device_group", None)
+    return 0 if group is None else int(group.calls)
+
+
+async def check_values(c: asynclock.Coordinator, dev: torch.device) -> None:
+    r, n = c.rank, c.size
+    total = sum(range(1, n + 1))
+    dtypes = [torch.float32, torch.int64] + ([] if CPU else [torch.float16, torch.bfloat16])
+    for dtype in dtypes:
+        x = torch.full((N,), r + 1, dtype=dtype, device=dev)
+        got = await c.allreduce(x, asynclock.Sum)
+        assert torch.equal(got.cpu(), torch.full((N,), total, dtype=dtype)), (dtype, got[:4])
+        await c.allreduce_(x, asynclock.Max)
+        assert torch.equal(x.cpu(), torch.full((N,), n, dtype=dtype)), (dtype, x[:4])
+    avg = await c.allreduce(torch.full((N,), float(r), device=dev), asynclock.Average)
+    assert torch.allclose(avg.cpu(), torch.full((N,), (n - 1) / 2)), avg[:4]
+    for root in range(n):
+        b = torch.full((N,), float(r), device=dev)
+        await c.broadcast_(b, root)
+        assert torch.equal(b.cpu(), torch.full((N,), float(root))), (root, b[:4])
+    report(r, "values")
+
+
+async def check_races(c: asynclock.Coordinator, dev: torch.device) -> None:
+    r, n = c.rank, c.size
+    x = torch.zeros(N, device=dev)
+    if CPU:
+        x.fill_(r + 1.0)
+    else:
+        from gpu_util import late_fill
+
+        side = torch.cuda.Stream()
+        late_fill(x, r + 1.0, SLOW_MS, side)  # the producer is still running...
+        torch.cuda.current_stream().wait_stream(side)  # ...the caller's stream orders after it
+    await c.allreduce_(x, asynclock.Sum)  # ...when the call is made
+    doubled = x * 2  # a consumer kernel right after, on the caller's stream
+    want = 2.0 * sum(range(1, n + 1))
+    assert torch.equal(doubled.cpu(), torch.full((N,), want)), doubled[:4]
+    report(r, "race_producer")
+    y = torch.full((N,), float(r + 1), device=dev)
+    out = await c.allreduce(y, asynclock.Sum)
+    assert float(out.sum().item()) == N * sum(range(1, n + 1)), out[:4]
+    report(r, "race_consumer")
+
+
+async def one_world(reset: bool) -> None:
+    async with asynclock.start() as c:
+        dev = device()
+        text = cuda.describe()
+        assert expected_path(c.size) in text, text
+        print(f"rank {c.rank}: {text}", flush=True)
+        if not reset:
+            report(c.rank, "path")
+            await check_values(c, dev)
+            await check_races(c, dev)
+            if "through a private process group" in text:
+                assert group_calls(c) > 0, "nothing went through the device group"
+        else:
+            got = await c.allreduce(torch.ones(N, device=dev), asynclock.Sum)
+            assert torch.equal(got.cpu(), torch.full((N,), float(c.size))), got[:4]
+            report(c.rank, "reset")
+
+
+def main() -> None:
+    os.environ.setdefault("ASYNCLOCK_CUDA_PATH", "gloo-twin" if CPU else "auto")
+    anyio.run(one_world, False)
+    anyio.run(one_world, True)  # a new coordinator: new store, new groups
+    report(int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))), "done")
+
+
+if __name__ == "__main__":
+    main()
