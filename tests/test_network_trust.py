@@ -126,6 +126,7 @@ class Intruder:
                  attack: Callable[[socket.socket, int], None]) -> None:
         self.address, self.rank, self.attack = address, rank, attack
         self.connected = threading.Event()  # in the listener's backlog from here on
+        self.sent = threading.Event()  # its attack's bytes are in the socket's buffers
         self._release = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -135,6 +136,7 @@ class Intruder:
             with socket.create_connection(self.address, timeout=30) as sock:
                 self.connected.set()
                 self.attack(sock, self.rank)
+                self.sent.set()
                 self._release.wait(60)
         except OSError:
             pass  # refused and closed while it still sent: as it should be
@@ -270,6 +272,15 @@ class Crowd:
             sock.close()
 
 
+def wait_until(ready: Callable[[], bool], seconds: float = 10) -> bool:
+    deadline = Deadline(seconds)
+    while not ready():
+        if deadline.passed():
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _log_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records]
 
@@ -318,14 +329,13 @@ def test_at_the_cap_the_connection_that_has_shown_the_least_goes_first(
     address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
     with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
         forged = Intruder(address, 0, send(hello(1, 0)))  # a whole HELLO, then no proof
-        assert forged.connected.wait(10)
-        time.sleep(0.05)
+        assert forged.sent.wait(10)
         partial = Intruder(address, 0, send(hello(1, 0)[:20]))
-        assert partial.connected.wait(10)
-        time.sleep(0.05)
+        assert partial.sent.wait(10)
         idle = Crowd(address, 2)  # the cap is 3: the fourth connection refuses one
         out = _run_acceptor(acceptor, 10)
-        time.sleep(0.3)
+        assert wait_until(lambda: acceptor.refused == 1)
+        time.sleep(0.1)  # nothing more is refused before the real peer comes
         first = _log_lines(caplog)
         real = connect(address, key, 1, 0, Deadline(5))
         out["thread"].join(10)  # type: ignore[attr-defined]
@@ -352,10 +362,12 @@ def test_a_real_peer_counts_by_the_hello_it_sent_with_its_connection(
     acceptor, listener = _acceptor({1}, handshake_s=5.0)
     address, key = listener.getsockname(), MeshKey(SECRET, "test.mesh")
     with caplog.at_level(logging.WARNING, "asynclock.transport"), listener:
-        forged = [Intruder(address, 0, send(hello(1, 0))) for _ in range(3)]
-        assert all(client.connected.wait(10) for client in forged)
+        forged = []
+        for _ in range(3):  # one after the other: their HELLOs arrive in this order
+            forged.append(Intruder(address, 0, send(hello(1, 0))))
+            assert forged[-1].sent.wait(10)
         out = _run_acceptor(acceptor, 10)
-        time.sleep(0.3)
+        assert wait_until(lambda: len(acceptor._pending) == 3)
         real = connect(address, key, 1, 0, Deadline(5))
         out["thread"].join(10)  # type: ignore[attr-defined]
         for client in forged:
