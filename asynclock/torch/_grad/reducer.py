@@ -33,6 +33,7 @@ import torch
 from ..._core.api.collectives import LaneCollectives
 from ..._core.base.errors import CollectiveTimeout, JoinedError, MismatchError
 from ..._core.base.ops import ReduceOp
+from ..._core.engine import making
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
 from .apply import Updates, hyperparameters
@@ -407,10 +408,7 @@ class Reducer:
 
     def _adopt(self, plan: Plan, shm: bool = False) -> None:
         """Switch to `plan` (and, if every rank can, to shared-memory buckets)."""
-        # the lane's own data communicator: no other thread uses it right now, and
-        # every rank reaches this point in the same order of the lane's collectives
-        comm = getattr(self.grad_lane.transport, "data", None)
-        arena = SharedArena(comm, self._group_bytes(plan)) if shm else None
+        arena = self._make_arena(plan) if shm else None
         if arena is not None:
             self.held.comms.append(arena.node)
             self.held.windows.append(arena.win)
@@ -430,6 +428,17 @@ class Reducer:
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1
+
+    def _make_arena(self, plan: Plan) -> SharedArena:
+        """The plan's shared window, made as an agreed call on the gradient lane
+        (`engine.making`): checked against every rank's call, then made on the lane's
+        wait thread from its data communicator, which nothing else uses meanwhile."""
+        comm = getattr(self.grad_lane.transport, "data", None)
+        sizes = self._group_bytes(plan)
+        arena: SharedArena = self.loop.run(partial(
+            making.make, self.coord.engine, self.grad_lane, "shm window",
+            lambda: SharedArena(comm, sizes), discard=SharedArena.close))
+        return arena
 
     def _horovod_groups(self) -> bool:
         """The lane's transport takes buckets as groups of handed tensors (`grouped`)."""

@@ -39,7 +39,7 @@ from .run import StepRun
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
-from .windows import allocate_shared
+from .windows import allocate_shared, free_shared
 
 ALIGN = 64
 SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every rank updates "
@@ -88,6 +88,11 @@ class SharedArena:
         self.bases[self.rank][:CTL_BYTES].zero_()  # MPI does not promise zeroed memory
         self.win.Sync()
         self.node.Barrier()  # nobody reads a control block before its owner cleared it
+
+    def close(self) -> None:
+        """Free the window and its node communicator (collective over the node)."""
+        free_shared(self.win)
+        self.node.Free()
 
     def buffers(self, group: str, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
         """Group `group`'s flat buffer of every rank (index = node rank)."""
