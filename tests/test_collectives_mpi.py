@@ -94,8 +94,8 @@ def test_collectives_matrix_horovod(launch: str, nranks: int, loop: str) -> None
         assert job.ok_lines(label) == set(range(nranks)), job.explain()
 
 
-TINY_LABELS = ("folds", "mixed_paths", "deep_rounds", "broadcast_barrier", "mid_size",
-               "changed_tensor", "hot_call", "cancelled_scope_still_issues", "yields")
+SMALL_LABELS = ("folds", "mixed_paths", "deep_rounds", "broadcast_barrier", "mid_size",
+                "changed_tensor", "hot_call", "cancelled_scope_still_issues", "yields")
 
 
 def fastpath_built(kind: str = MPI_KIND) -> bool:
@@ -116,7 +116,7 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
     C round (`_fastpath.c`, when built) and the Python one alike."""
     if path == "C" and not fastpath_built():
         pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
-    job = run_job("tiny_collectives.py", nranks, *(["--trio"] if loop == "trio" else []),
+    job = run_job("small_calls.py", nranks, *(["--trio"] if loop == "trio" else []),
                   timeout=120, env={"ASYNCLOCK_FASTPATH": "1" if path == "C" else "0"})
     assert_all_ok(job, nranks)
     assert f"OK folds {path}" in job.output, job.explain()
@@ -124,9 +124,9 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
     rounds = "round_node" if path == "C" else "round_python"
     assert job.ok_lines(rounds) == set(range(nranks)), job.explain()
     assert f"OK hot_call {path}" in job.output, job.explain()
-    labels = TINY_LABELS + (("hand_off", "mismatch_after_hand_off", "rows_only_when_asked",
-                             "mismatch_in_the_spin", "cancel_after_hand_off")
-                            if nranks > 1 else ())
+    labels = SMALL_LABELS + (("hand_off", "mismatch_after_hand_off", "rows_only_when_asked",
+                              "mismatch_in_the_spin", "cancel_after_hand_off")
+                             if nranks > 1 else ())
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 
@@ -135,16 +135,16 @@ def test_small_allreduce_path_c_round_over_mpi() -> None:
     """`ASYNCLOCK_NODE_ROUND=0`: the C compact round over MPI, as across nodes."""
     if not fastpath_built():
         pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
-    job = run_job("tiny_collectives.py", 2, timeout=120, env={"ASYNCLOCK_NODE_ROUND": "0"})
+    job = run_job("small_calls.py", 2, timeout=120, env={"ASYNCLOCK_NODE_ROUND": "0"})
     assert_all_ok(job, 2)
     assert job.ok_lines("round_c") == {0, 1}, job.explain()
-    for label in TINY_LABELS + ("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off"):
+    for label in SMALL_LABELS + ("hand_off", "mismatch_after_hand_off", "cancel_after_hand_off"):
         assert job.ok_lines(label) == {0, 1}, f"{label}\n{job.explain()}"
 
 
 @pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_small_allreduce_path_other_mpi(kind: str) -> None:
-    job = run_job("tiny_collectives.py", 2, timeout=120, kind=kind)
+    job = run_job("small_calls.py", 2, timeout=120, kind=kind)
     assert_all_ok(job, 2)
     assert f"OK folds {'C' if fastpath_built(kind) else 'python'}" in job.output, job.explain()
     assert job.ok_lines("cancel_after_hand_off") == {0, 1}, job.explain()
@@ -152,7 +152,7 @@ def test_small_allreduce_path_other_mpi(kind: str) -> None:
 
 def test_small_path_hands_slow_data_stages_to_the_engine() -> None:
     """A 920 KB allreduce outlasting a 50 us spin: the engine finishes its data stage."""
-    job = run_job("tiny_collectives.py", 2, "--short-spin", timeout=120,
+    job = run_job("small_calls.py", 2, "--short-spin", timeout=120,
                   env={"ASYNCLOCK_SPIN_US": "50"})
     assert_all_ok(job, 2)
     assert job.ok_lines("mid_size") == {0, 1}, job.explain()

@@ -2,7 +2,7 @@
 `combine` applies, and the verdict every rank reads from the reduced words.
 
 The multi-rank side (every rank reaches the same verdict through MPI, rows
-rounds only when asked) runs in `tests/programs/tiny_collectives.py`.
+rounds only when asked) runs in `tests/programs/small_calls.py`.
 """
 
 from __future__ import annotations

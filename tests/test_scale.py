@@ -32,7 +32,7 @@ def test_error_trials(nranks: int, loop: str) -> None:
 
 @pytest.mark.parametrize("nranks", [4, 8])
 def test_small_collectives(nranks: int) -> None:
-    job = run_job("tiny_collectives.py", nranks, timeout=240)
+    job = run_job("small_calls.py", nranks, timeout=240)
     assert_labels(job, nranks, "folds", "hand_off", "mismatch_after_hand_off",
                   "mismatch_in_the_spin", "cancel_after_hand_off")
 

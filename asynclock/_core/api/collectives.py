@@ -23,18 +23,18 @@ from ..engine import collective_ops as ops
 from ..engine.handle import Handle
 from ..engine.operation import Lane, Operation
 from ..engine.progress import Engine
-from ..engine.small_calls import NOT_TINY, YIELD_MASK, TinyCollectives, yield_then
+from ..engine.small_calls import NOT_SMALL, YIELD_MASK, SmallCalls, yield_then
 from ..engine.staging import submit
 
 _PENDING = (Handle, types.CoroutineType)  # what a small call may return to await
 
 
 class Collectives:
-    """Mixin: needs `_engine`, `_lane` (user channel), `_tiny` and `_check_open()`."""
+    """Mixin: needs `_engine`, `_lane` (user channel), `_small` and `_check_open()`."""
 
     _engine: Engine
     _lane: Lane
-    _tiny: TinyCollectives
+    _small: SmallCalls
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -105,8 +105,8 @@ class Collectives:
                         name: str | None = None) -> Any:
         """Reduce `tensor` across ranks into a new tensor."""
         self._check_open()
-        result = self._tiny.allreduce(tensor, op, name, False)
-        if result is NOT_TINY:
+        result = self._small.allreduce(tensor, op, name, False)
+        if result is NOT_SMALL:
             return await self.allreduce_async(tensor, op, name=name)
         return (await result) if type(result) in _PENDING else result
 
@@ -114,13 +114,13 @@ class Collectives:
                          name: str | None = None) -> Any:
         """Reduce `tensor` across ranks in place and return it."""
         # The small-call path counts the call and yields every YIELD_MASK + 1th itself
-        # (`TinyCollectives.allreduce`): a loop's flag or loss, reduced step after step,
+        # (`SmallCalls.allreduce`): a loop's flag or loss, reduced step after step,
         # takes no more Python than this.
         self._check_open()
-        result = self._tiny.allreduce(tensor, op, name, True)
+        result = self._small.allreduce(tensor, op, name, True)
         if result is tensor:
             return tensor
-        if result is NOT_TINY:
+        if result is NOT_SMALL:
             return await self.allreduce_async_(tensor, op, name=name)
         return (await result) if type(result) in _PENDING else result
 
@@ -132,13 +132,13 @@ class Collectives:
         Not a coroutine itself: on the small path every layer of `await` costs
         a measurable share of the call (`bench/collectives.py` at 4 B shows it).
         """
-        tiny = self._tiny
-        tiny.calls += 1
+        path = self._small
+        path.calls += 1
         self._check_open()
         result = small(*args)
-        if result is NOT_TINY:
+        if result is NOT_SMALL:
             return general(*args)
-        if not tiny.calls & YIELD_MASK and type(result) not in _PENDING:
+        if not path.calls & YIELD_MASK and type(result) not in _PENDING:
             return yield_then(result)
         return result
 
@@ -170,13 +170,13 @@ class Collectives:
 
     async def broadcast(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
         """Return root's `tensor` on every rank (new tensor)."""
-        result = self._now(self._tiny.broadcast, self._broadcast_general, tensor, root, name,
+        result = self._now(self._small.broadcast, self._broadcast_general, tensor, root, name,
                            False)
         return (await result) if type(result) in _PENDING else result
 
     async def broadcast_(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
         """Overwrite `tensor` with root's on every rank and return it."""
-        result = self._now(self._tiny.broadcast, self._broadcast_general, tensor, root, name, True)
+        result = self._now(self._small.broadcast, self._broadcast_general, tensor, root, name, True)
         return (await result) if type(result) in _PENDING else result
 
     def _broadcast_general(self, tensor: Any, root: int, name: str | None,
@@ -256,7 +256,7 @@ class Collectives:
 
     async def barrier(self, *, name: str | None = None) -> None:
         """Wait until every rank arrives, without blocking the loop."""
-        result = self._now(self._tiny.barrier, self._barrier_general, name)
+        result = self._now(self._small.barrier, self._barrier_general, name)
         if type(result) in _PENDING:
             await result
 
@@ -299,7 +299,7 @@ class LaneCollectives(Collectives):
     def __init__(self, engine: Engine, lane: Lane, check_open: Callable[[], None]) -> None:
         self._engine = engine
         self._lane = lane
-        self._tiny = TinyCollectives(engine, lane)
+        self._small = SmallCalls(engine, lane)
         self._check_open_of_owner = check_open
 
     def _check_open(self) -> None:

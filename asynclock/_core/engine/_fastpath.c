@@ -575,13 +575,13 @@ static PyObject *round_exchange(PyObject *self, PyObject *const *args, Py_ssize_
  * the input's type, op, dtype and shape. A later call with a tensor or array of
  * that signature, new or not, then runs here from the checks to the fold,
  * with the same sequence numbers, words and counters as the Python path
- * (TinyCollectives._exchange), while the engine's state lets the small path
+ * (SmallCalls._exchange), while the engine's state lets the small path
  * run (no observer, no failure, no matching, no CUDA gate). The input's checks
  * are those of the Python path's `_view`: a torch tensor's device, dtype,
  * shape and contiguity (its memory from data_ptr()), a numpy array's buffer
  * (format, shape, contiguous, writable). Anything else falls back: a round that
  * did not fold goes on in `after(state, seq, issued_at, tensor)`, other calls
- * in `slow(tensor, op, name, inplace)`. It counts the call in `tiny.calls` and
+ * in `slow(tensor, op, name, inplace)`. It counts the call in `small.calls` and
  * yields every so often as the Python path does.
  */
 static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_is_cpu,
@@ -590,7 +590,7 @@ static PyObject *S_on_event, *S_failure, *S_matcher, *S_data_ptr, *S_dtype, *S_i
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tiny, *yield_then, *slow, *after, *engine, *lane, *gates, *round;
+    PyObject *small, *yield_then, *slow, *after, *engine, *lane, *gates, *round;
     long long yield_mask;  /* a call whose count has none of these bits set yields once */
     PyObject *type, *op, *dtype, *shape;  /* the armed signature (type NULL: none) */
     PyObject *inplace, *new_like;  /* Py_True, or Py_False with what makes the result */
@@ -602,13 +602,13 @@ typedef struct {
     long long calls;  /* calls that ran here (tests read it) */
 } HotAllreduce;
 
-/* HotAllreduce(tiny, yield_mask, yield_then, slow, after, engine, lane, gates, round):
- * `tiny.calls` counts the calls; every call whose count has no bit of `yield_mask` set
+/* HotAllreduce(small, yield_mask, yield_then, slow, after, engine, lane, gates, round):
+ * `small.calls` counts the calls; every call whose count has no bit of `yield_mask` set
  * returns `yield_then(result)` to await. */
 static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
-    PyObject *tiny, *yield_then, *slow, *after, *engine, *lane, *gates, *rnd;
+    PyObject *small, *yield_then, *slow, *after, *engine, *lane, *gates, *rnd;
     long long mask;
-    if (!PyArg_ParseTuple(args, "OLOOOOOO!O", &tiny, &mask, &yield_then, &slow, &after, &engine,
+    if (!PyArg_ParseTuple(args, "OLOOOOOO!O", &small, &mask, &yield_then, &slow, &after, &engine,
                           &lane, &PyDict_Type, &gates, &rnd))
         return -1;
     if (!Py_IS_TYPE(rnd, &CompactRoundType) && !Py_IS_TYPE(rnd, &NodeCompactRoundType)) {
@@ -616,8 +616,8 @@ static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     self->yield_mask = mask;
-    PyObject *objs[8] = {tiny, yield_then, slow, after, engine, lane, gates, rnd};
-    PyObject **slots[8] = {&self->tiny, &self->yield_then, &self->slow, &self->after,
+    PyObject *objs[8] = {small, yield_then, slow, after, engine, lane, gates, rnd};
+    PyObject **slots[8] = {&self->small, &self->yield_then, &self->slow, &self->after,
                            &self->engine, &self->lane, &self->gates, &self->round};
     for (int i = 0; i < 8; i++) {
         Py_INCREF(objs[i]);
@@ -627,7 +627,7 @@ static int hot_init(HotAllreduce *self, PyObject *args, PyObject *kw) {
 }
 
 static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
-    Py_VISIT(self->tiny);
+    Py_VISIT(self->small);
     Py_VISIT(self->yield_then);
     Py_VISIT(self->slow);
     Py_VISIT(self->after);
@@ -645,7 +645,7 @@ static int hot_traverse(HotAllreduce *self, visitproc visit, void *arg) {
 }
 
 static int hot_clear(HotAllreduce *self) {
-    Py_CLEAR(self->tiny);
+    Py_CLEAR(self->small);
     Py_CLEAR(self->yield_then);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->after);
@@ -815,7 +815,7 @@ static void divide_floats(void *p, Py_ssize_t nbytes, int64_t fold, int size) {
     }
 }
 
-/* call(tensor, op, name, inplace): TinyCollectives.allreduce */
+/* call(tensor, op, name, inplace): SmallCalls.allreduce */
 static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *obj = nargs == 4 ? args[0] : NULL;
     if (obj == NULL || self->type == NULL || (PyObject *)Py_TYPE(obj) != self->type
@@ -845,7 +845,7 @@ static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t 
     double spin = -1.0;
     PyObject *v = NULL;
     if (round_words(self->round, &send, &recv) < 0
-            || bump_attr(self->tiny, S_calls, 1, &count) < 0
+            || bump_attr(self->small, S_calls, 1, &count) < 0
             || bump_attr(self->lane, S_seq, self->bump, &seq) < 0
             || bump_attr(self->lane, S_rounds, 1, &ignored) < 0
             || (v = PyObject_GetAttr(self->lane, S_spin_s)) == NULL
@@ -887,7 +887,7 @@ static PyObject *hot_call(HotAllreduce *self, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef hot_methods[] = {
     {"call", (PyCFunction)(void (*)(void))hot_call, METH_FASTCALL,
-     "TinyCollectives.allreduce(tensor, op, name, inplace), whole where armed."},
+     "SmallCalls.allreduce(tensor, op, name, inplace), whole where armed."},
     {"arm", (PyCFunction)(void (*)(void))hot_arm, METH_FASTCALL,
      "arm(example, op, dtype, shape, key, bump, nbytes)"},
     {NULL, NULL, 0, NULL}};

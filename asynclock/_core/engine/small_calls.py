@@ -74,7 +74,7 @@ from .progress import Engine
 
 Array = np.ndarray[Any, Any]
 
-NOT_TINY: Any = object()  # "take the general path": nothing was issued
+NOT_SMALL: Any = object()  # "take the general path": nothing was issued
 FOLDED: Any = object()  # the round folded the result into `out` already
 # Every 64th call yields to the loop once it finished (`yield_then`).
 YIELD_MASK = 63
@@ -86,7 +86,7 @@ async def yield_then(result: Any) -> Any:
     calls that all finish inside the spin would otherwise never let the loop run
     anything else. After the issue, and shielded, so it is no cancellation point: a
     call in a cancelled scope is issued like any other (tests/programs/
-    tiny_collectives.py checks it: check_cancelled_scope_still_issues). Twice, so a task whose
+    small_calls.py checks it: check_cancelled_scope_still_issues). Twice, so a task whose
     timer expired meanwhile runs too (see `SyncService.maybe_yield`)."""
     await anyio.lowlevel.cancel_shielded_checkpoint()
     await anyio.lowlevel.cancel_shielded_checkpoint()
@@ -94,7 +94,7 @@ async def yield_then(result: Any) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class TinyStatistics:
+class SmallCallStatistics:
     """Calls that came this way, and rounds handed to the engine: header rounds
     (a late rank) and data stages (a slow transfer; also counted in handed_off).
     `rows_rounds`: the lane's rows rounds, every path's (on a channel with a compact
@@ -120,7 +120,7 @@ class Signature(NamedTuple):
     bump: int = 1  # 0: a named call on a lane by name does not advance W_SEQ (`Lane.next_seq`)
 
 
-class TinyCollectives:
+class SmallCalls:
     """One lane's fast path; used only from the loop thread, like the engine."""
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
@@ -157,17 +157,17 @@ class TinyCollectives:
         self.allreduce: Callable[[Any, Any, str | None, bool], Any] = (
             self._allreduce if self._hot is None else self._hot.call)
 
-    def statistics(self) -> TinyStatistics:
-        return TinyStatistics(self.calls, self.handed_off, self.data_handed_off,
+    def statistics(self) -> SmallCallStatistics:
+        return SmallCallStatistics(self.calls, self.handed_off, self.data_handed_off,
                               self._lane.rows_rounds + (0 if self._compact else self.calls))
 
-    # -- the calls: each returns its result, a `Handle` to await, or NOT_TINY ----
+    # -- the calls: each returns its result, a `Handle` to await, or NOT_SMALL ----
     def _allreduce(self, obj: Any, op: Any, name: str | None, inplace: bool) -> Any:
         """`allreduce` where the C hot call does not take it: counts the call, and every
         YIELD_MASK + 1th that finished here yields once (`yield_then`)."""
         n = self.calls = self.calls + 1
         result = self._allreduce_once(obj, op, name, inplace)
-        if n & YIELD_MASK or result is NOT_TINY or type(result) is Handle:
+        if n & YIELD_MASK or result is NOT_SMALL or type(result) is Handle:
             return result
         return yield_then(result)
 
@@ -176,19 +176,19 @@ class TinyCollectives:
             self._lane.claim(name)
         view = self._view(obj, inplace)
         if view is None:
-            return NOT_TINY
+            return NOT_SMALL
         a, code, shape = view
         hit = self._last_allreduce
         if hit[0] is view and hit[1] is op and hit[2] is name:
             sig = hit[3]  # the same tensor, op and name as the last call: no key to hash
         else:
             key = (Kind.ALLREDUCE, code, shape, op, name)
-            sig = self._signatures.get(key, NOT_TINY)
-            if sig is NOT_TINY:
+            sig = self._signatures.get(key, NOT_SMALL)
+            if sig is NOT_SMALL:
                 sig = self._remember(key, self._allreduce_signature(a, code, shape, op, name))
             self._last_allreduce = (view, op, name, sig)
         if sig is None:
-            return NOT_TINY
+            return NOT_SMALL
         if name is None and self._hot is not None and (
                 self._armed is not sig or self._armed_inplace is not inplace):
             self._arm(obj, op, sig, shape, inplace)
@@ -242,7 +242,7 @@ class TinyCollectives:
         from this call. Only while nothing earlier on this lane still waits to
         issue its data stage: data stages go out in header order on every rank."""
         if self._lane.queue:
-            return NOT_TINY
+            return NOT_SMALL
         req = self._exchange(sig, None, whole=False)
         if req is not None:
             return self._hand_off(sig, req, obj, a, shape, inplace)
@@ -266,17 +266,17 @@ class TinyCollectives:
         if name:
             self._lane.claim(name)
         if not 0 <= root < self._size:
-            return NOT_TINY  # the general path names the bad root on every rank
+            return NOT_SMALL  # the general path names the bad root on every rank
         view = self._view(obj, inplace)
         if view is None:
-            return NOT_TINY
+            return NOT_SMALL
         a, code, shape = view
         key = (Kind.BROADCAST, code, shape, root, name)
-        sig = self._signatures.get(key, NOT_TINY)
-        if sig is NOT_TINY:
+        sig = self._signatures.get(key, NOT_SMALL)
+        if sig is NOT_SMALL:
             sig = self._remember(key, self._broadcast_signature(a, code, shape, root, name))
         if sig is None:
-            return NOT_TINY
+            return NOT_SMALL
         req = self._exchange(sig, a if self._lane.rank == root else None)
         out = a if inplace else np.empty(shape, a.dtype)
         return self._result(sig, obj, a, shape, out, inplace, req)
@@ -285,10 +285,10 @@ class TinyCollectives:
         if name:
             self._lane.claim(name)
         if not self._engine_ready():
-            return NOT_TINY
+            return NOT_SMALL
         key = (Kind.BARRIER, name)
-        sig = self._signatures.get(key, NOT_TINY)
-        if sig is NOT_TINY:
+        sig = self._signatures.get(key, NOT_SMALL)
+        if sig is NOT_SMALL:
             sig = self._remember(key, self._signature(Call(Kind.BARRIER, 0, name=name or ""),
                                                       0, 0, _nothing, _barrier_op(self._lane)))
         req = self._exchange(sig, None)
@@ -517,7 +517,7 @@ class LastTensor:
     checks are a third of this path's cost, and loops pass the same tensor.
 
     The view is reused only while the tensor's memory is provably the same
-    (checked in `TinyCollectives._view`, inline on the hot path): data pointer,
+    (checked in `SmallCalls._view`, inline on the hot path): data pointer,
     shape, dtype, contiguity and device (`set_`, `.data =`,
     `resize_` and in-place transposes all change one of them). Only tensors
     that took this path (<= INLINE_BYTES) are held, so nothing big is kept alive.

@@ -32,7 +32,7 @@ from ..engine import header_round, making, staging
 from ..engine.join import join_lanes
 from ..engine.operation import Lane
 from ..engine.progress import Engine, EngineStatistics, ProgressPolicy
-from ..engine.small_calls import TinyCollectives, TinyStatistics
+from ..engine.small_calls import SmallCalls, SmallCallStatistics
 from ..sync import SyncPrimitives
 from ..transports.base import Backend
 from . import failure
@@ -125,7 +125,7 @@ class Coordinator(Collectives, SyncPrimitives):
         path = getattr(backend, "device_path", None)  # chosen with the first channel
         if path is not None and path.path == "gloo-twin":
             staging.use_cpu_twin()
-        self._tiny = TinyCollectives(self._engine, self._lane)
+        self._small = SmallCalls(self._engine, self._lane)
         self.grad_lane = self._add_lane("grad")
         self.more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
         self.sync_lane = self._add_lane("sync")
@@ -259,9 +259,9 @@ class Coordinator(Collectives, SyncPrimitives):
         """In-flight and completed counts of this rank's progress engine."""
         return self._engine.statistics()
 
-    def small_path_statistics(self) -> TinyStatistics:
+    def small_path_statistics(self) -> SmallCallStatistics:
         """User-lane calls on the small-message path (`engine.small_calls`), and hand-offs."""
-        return self._tiny.statistics()
+        return self._small.statistics()
 
     def train_step(self, optimizer: Any, **options: Any) -> Any:
         """`async with coord.train_step(optimizer) as step:` (the torch integration's

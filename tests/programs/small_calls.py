@@ -204,7 +204,7 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
     n = float(c.size)
 
     def hot_calls() -> int:
-        hot = c._tiny._hot  # remade when a round is handed off
+        hot = c._small._hot  # remade when a round is handed off
         return -1 if hot is None else int(hot.calls)
 
     async def reduce(t: torch.Tensor, value: float, times: int = 3) -> None:
@@ -384,7 +384,7 @@ async def check_folds(c: asynclock.Coordinator) -> None:
             assert all(row.tobytes() == got.tobytes() for row in everyone), (dtype, op, everyone)
         t = await c.allreduce(torch.from_numpy(x.copy()), op.name.lower())
         _same_fold(t.numpy(), want, exact, (dtype, op, "torch"))
-    fast = header_round.is_c(c._tiny._round)
+    fast = header_round.is_c(c._small._round)
     report(c.rank, "folds", "C" if fast else "python")
 
 
@@ -397,7 +397,7 @@ async def check_node_round(c: asynclock.Coordinator) -> None:
 
     lane = c._lane
     kind = "node" if lane.node_round is not None else (
-        "c" if header_round.is_c(c._tiny._round) else "python")
+        "c" if header_round.is_c(c._small._round) else "python")
     report(c.rank, f"round_{kind}")
     n = fastpath.NODE_DEPTH * 3
     world = MPI.COMM_WORLD
