@@ -24,14 +24,14 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from asynclock._core.base.wakeup import Alarm
+from asynclock._core.base.wakeup import Wakeup
 
 Sleep = Callable[[float], Awaitable[None]]
 
 
 def kinds() -> dict[str, Sleep]:
-    """The spellings compared: bare asyncio, anyio's Event in a cancel scope, Alarm."""
-    alarm = Alarm()
+    """The spellings compared: bare asyncio, anyio's Event in a cancel scope, Wakeup."""
+    wakeup = Wakeup()
 
     async def asyncio_sleep(p: float) -> None:
         await asyncio.sleep(p)
@@ -41,11 +41,11 @@ def kinds() -> dict[str, Sleep]:
         with anyio.move_on_after(p):
             await event.wait()
 
-    async def asynclock_alarm(p: float) -> None:
-        await alarm.sleep(p)
+    async def asynclock_wakeup(p: float) -> None:
+        await wakeup.sleep(p)
 
     return {"asyncio.sleep": asyncio_sleep, "anyio Event+move_on_after": anyio_event_scope,
-            "asynclock Alarm": asynclock_alarm}
+            "asynclock Wakeup": asynclock_wakeup}
 
 
 async def per_wake(sleep: Sleep, period: float, seconds: float) -> float:

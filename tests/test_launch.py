@@ -17,7 +17,7 @@ import pytest
 from mpijob import PROGRAMS, ROOT, processes_with
 
 from asynclock import jobwatch, launch
-from asynclock._tools import rank_output as rankio
+from asynclock._tools import rank_output
 
 
 def _mpi_select() -> ModuleType:
@@ -55,7 +55,7 @@ def explain(done: subprocess.CompletedProcess[str]) -> str:
 def test_mpi_command_runs_program_behind_trampoline(kind: str) -> None:
     argv = dry("-n", "3", "--runner", kind, "--timeline", "/tmp/x", "train.py", "--lr", "1")
     assert argv[:len(mpi_select.launcher(kind, 3))] == mpi_select.launcher(kind, 3)
-    tail = [sys.executable, "-I", str(Path(rankio.__file__).resolve()), sys.executable,
+    tail = [sys.executable, "-I", str(Path(rank_output.__file__).resolve()), sys.executable,
             "train.py", "--lr", "1"]
     assert argv[-len(tail):] == tail
     if kind == "system":  # Open MPI forwards only what -x names to remote ranks
@@ -112,7 +112,7 @@ def test_recipes() -> None:
 
 
 def test_env_rank_reads_every_launcher() -> None:
-    assert rankio.env_rank is launch.env_rank
+    assert rank_output.env_rank is launch.env_rank
     assert launch.env_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2
     assert launch.env_rank({"SLURM_PROCID": "5", "HOROVOD_RANK": "1"}) == 1
     assert launch.env_rank({}) is None and launch.env_size({"PMI_SIZE": "3"}) == 3

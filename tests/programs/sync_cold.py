@@ -21,16 +21,16 @@ HOME = 1
 
 
 def record_sleeps(svc: object) -> list[float]:
-    """Wrap the pump's alarm so every timeout it asks for is kept."""
-    alarm = svc._alarm  # type: ignore[attr-defined]
+    """Wrap the pump's wakeup so every timeout it asks for is kept."""
+    wakeup = svc._wakeup  # type: ignore[attr-defined]
     asked: list[float] = []
-    sleep = alarm.sleep
+    sleep = wakeup.sleep
 
     async def recording(timeout: float | None) -> None:
         asked.append(-1.0 if timeout is None else timeout)
         await sleep(timeout)
 
-    alarm.sleep = recording
+    wakeup.sleep = recording
     return asked
 
 

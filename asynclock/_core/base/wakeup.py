@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["Alarm"]
+__all__ = ["Wakeup"]
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -36,7 +36,7 @@ def _on_asyncio() -> bool:
     return True
 
 
-class Alarm:
+class Wakeup:
     """One sleeper at a time; `wake()` (on the loop's thread) ends its sleep early.
 
     A wake with nobody asleep is dropped, as with the `Event` it replaces:

@@ -31,7 +31,7 @@ from ..base.errors import BackendError
 from ..base.from_thread import loop_caller
 from ..base.header import Call
 from ..base.ops import DTYPE_NAMES, Kind, ReduceOp
-from ..base.wakeup import Alarm
+from ..base.wakeup import Wakeup
 from . import header_round
 from .matching import Matcher, filler_call
 from .operation import Lane, MatchTable, Operation, State
@@ -85,7 +85,7 @@ class Engine:
         self.policy = policy or ProgressPolicy.from_env()
         self.inflight: list[Operation] = []
         self.lanes: list[Lane] = []
-        self._alarm = Alarm()  # the poller's sleep, ended early by new work
+        self._wakeup = Wakeup()  # the poller's sleep, ended early by new work
         p = self.policy
         # The poller's sleeps: tight for `busy_s` after the last progress, then growing.
         self._backoff = Backoff(p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction,
@@ -127,7 +127,7 @@ class Engine:
     def want_filler(self, lane: Lane, delay: float) -> None:
         due = time.perf_counter() + delay
         self._fillers[lane] = min(due, self._fillers.get(lane, due))
-        self._alarm.wake()
+        self._wakeup.wake()
 
     def _issue_fillers(self) -> float | None:
         """Issue the filler rounds that are due; seconds until the next one."""
@@ -211,7 +211,7 @@ class Engine:
                 self.on_event("done", op, now)
             return op
         self.inflight.append(op)
-        self._alarm.wake()
+        self._wakeup.wake()
         return op
 
     def _spin(self, op: Operation) -> bool:
@@ -354,7 +354,7 @@ class Engine:
         return self._backoff.next_sleep(now, tight=not patient, max_s=cap)
 
     async def _sleep_until_woken(self, timeout: float | None) -> None:
-        await self._alarm.sleep(timeout)
+        await self._wakeup.sleep(timeout)
 
     def hint(self, op: Operation) -> None:
         """Every rank has issued `op`, as a sign outside MPI shows (loop thread):
@@ -369,7 +369,7 @@ class Engine:
 
     def _wake_now(self) -> None:
         self._backoff.reset()
-        self._alarm.wake()
+        self._wakeup.wake()
 
     def poll_all(self) -> bool:
         """Test every in-flight op once; pump lanes; drop finished ops."""

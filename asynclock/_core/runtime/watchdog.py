@@ -46,8 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..base import settings
-from ..base import stack_dump as frozen
+from ..base import settings, stack_dump
 from ..base.backoff import Backoff, poll_until
 from ..base.errors import RankFailedError, StallError
 from ..base.from_thread import name_os_thread
@@ -60,7 +59,7 @@ log = logging.getLogger("asynclock.watchdog")
 RUNNING, CLOSING, FAILED = 0, 1, 2
 LAG_NOTE_S = 1.0  # an event loop that has not run for this long is worth naming
 # This rank dumps its stacks when its own heartbeat thread stalled for this share of
-# dead_after_s: before the peers declare it dead and the launcher kills it (`frozen`).
+# dead_after_s: before the peers declare it dead and the launcher kills it (`stack_dump`).
 FROZEN_FRACTION = 0.8
 MAX_PENDING_SENDS = 256  # a frozen peer must not make us queue heartbeats for ever
 FLUSH_POLL_S = 1e-3  # last sends (failure, goodbye) are tested this often
@@ -278,10 +277,10 @@ class Watchdog:
         while not self._stop.is_set() and self._fatal is None:
             self._wake.clear()
             self._tick()
-            frozen.arm(FROZEN_FRACTION * self.policy.dead_after_s)
+            stack_dump.arm(FROZEN_FRACTION * self.policy.dead_after_s)
             if self._fatal is None:
                 self._wake.wait(self.policy.heartbeat_s)
-        frozen.disarm()
+        stack_dump.disarm()
         self._cpu = time.thread_time()
         if self._fatal is not None:
             self._die(*self._fatal)

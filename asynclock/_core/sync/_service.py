@@ -38,7 +38,7 @@ import sniffio
 
 from ..base import settings
 from ..base.backoff import Backoff, poll_until
-from ..base.wakeup import Alarm
+from ..base.wakeup import Wakeup
 from ..engine.operation import Lane
 from ..engine.progress import Engine, ProgressPolicy
 from ..transports.base import Channel, Request
@@ -154,7 +154,7 @@ class SyncService:
         p = self.progress  # the pump polls like the engine: tight, then growing sleeps
         self._backoff = Backoff(p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction,
                                 busy_s=p.busy_s)
-        self._alarm = Alarm()  # the pump's idle sleep, ended early by activity
+        self._wakeup = Wakeup()  # the pump's idle sleep, ended early by activity
         self.running = False
         self.received = self.sent = 0
         self.current_task: Callable[[], object] = any_task
@@ -245,7 +245,7 @@ class SyncService:
     def _activity(self) -> None:
         """Something was sent or received: poll tightly again for a while."""
         self._backoff.reset()
-        self._alarm.wake()
+        self._wakeup.wake()
 
     # -- receiving and routing -----------------------------------------------------
     def poll(self) -> bool:
@@ -392,7 +392,7 @@ class SyncService:
             if self._sends or backoff.busy():
                 await anyio.sleep(0)
                 continue
-            await self._alarm.sleep(backoff.next_sleep(
+            await self._wakeup.sleep(backoff.next_sleep(
                 tight=False, max_s=self.cold_max_sleep_s if self._cold() else None))
 
     def _cold(self) -> bool:

@@ -12,13 +12,13 @@ import time
 import pytest
 
 from asynclock import jobwatch
-from asynclock._tools import rank_output as rankio
+from asynclock._tools import rank_output
 
 RANK5 = {**os.environ, "PMI_RANK": "5"}
 
 
 def start(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(rankio.trampoline([sys.executable, "-u", "-c", code]),
+    return subprocess.Popen(rank_output.trampoline([sys.executable, "-u", "-c", code]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=RANK5 if env is None else env)
 
@@ -49,7 +49,7 @@ def test_a_clean_exit_announces_nothing() -> None:
 
 
 def test_outside_a_runner_nothing_is_tagged_or_announced() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in rankio.RANK_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in rank_output.RANK_VARS}
     proc = start("import sys; print('x'); sys.exit(2)", env)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (2, "x\n", "")
@@ -97,7 +97,7 @@ def test_the_program_dies_with_a_sigkilled_trampoline() -> None:
 
 
 def test_trampoline_reports_a_missing_program() -> None:
-    done = subprocess.run(rankio.trampoline(["/nonexistent/prog"]), capture_output=True,
+    done = subprocess.run(rank_output.trampoline(["/nonexistent/prog"]), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 127 and "cannot run '/nonexistent/prog'" in done.stderr
 
@@ -108,7 +108,7 @@ def test_trampoline_reports_a_missing_program() -> None:
     (signal.SIGKILL, ("was killed by SIGKILL", 137)),
 ])
 def test_describe_failure(status: int, expected: tuple[str, int] | None) -> None:
-    assert rankio.describe_failure(status) == expected
+    assert rank_output.describe_failure(status) == expected
 
 
 def test_a_child_holding_the_output_delays_the_exit_by_the_drain_time_only() -> None:
@@ -122,6 +122,6 @@ def test_a_child_holding_the_output_delays_the_exit_by_the_drain_time_only() -> 
         t0 = time.monotonic()
         proc.wait(timeout=30)
         assert proc.returncode == 0
-        assert time.monotonic() - t0 < rankio.DRAIN_S + 2
+        assert time.monotonic() - t0 < rank_output.DRAIN_S + 2
     finally:
         os.kill(straggler, signal.SIGKILL)
