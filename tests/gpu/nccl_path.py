@@ -16,6 +16,9 @@ Checks, each printing `RANK r OK <label>`:
   producer's stream, not the host);
 * race_consumer: the result is read by a kernel right after the call returns, on
   the caller's stream: it must see the reduced value (consumers wait by stream);
+* buckets: a model's gradients, reduced in buckets by `train_step` over the device
+  group (CUDA parameters: NCCL, bucket ready and done by stream events), equal to the
+  average of every rank's gradient, and the same parameters on every rank after 3 steps;
 * reset: the coordinator is shut down (its groups aborted) and started again, as an
   elastic reset re-forms the world, and a collective on the new group is exact.
 """
@@ -99,6 +102,40 @@ async def check_races(c: asynclock.Coordinator, dev: torch.device) -> None:
     report(r, "race_consumer")
 
 
+def grad_lane_calls(c: asynclock.Coordinator) -> int:
+    group = getattr(c.grad_lane.transport, "device_group", None)
+    return 0 if group is None else int(group.calls)
+
+
+def small_model(dev: torch.device) -> torch.nn.Module:
+    torch.manual_seed(7)  # the same model on every rank
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 8)).to(dev)
+
+
+async def check_buckets(c: asynclock.Coordinator, dev: torch.device) -> None:
+    model, ref = small_model(dev), small_model(dev)
+    step = c.train_step(torch.optim.SGD(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    before = grad_lane_calls(c)
+
+    def data(n: int, r: int) -> torch.Tensor:
+        return torch.full((4, 64), float(r + n) / 4, device=dev)
+
+    for n in range(3):
+        async with step:
+            await step.backward(model(data(n, c.rank)).sum())
+        ref_opt.zero_grad()  # one process: the average of every rank's loss
+        (sum(ref(data(n, r)).sum() for r in range(c.size)) / c.size).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-5), (p - q).abs().max()
+    calls = grad_lane_calls(c) - before
+    if "through a private process group" in cuda.describe():
+        assert calls > 0, "no bucket went through the device group"
+    report(c.rank, "buckets", f"{calls} bucket allreduces over the device group")
+
+
 async def one_world(reset: bool) -> None:
     async with asynclock.start() as c:
         dev = device()
@@ -109,6 +146,7 @@ async def one_world(reset: bool) -> None:
             report(c.rank, "path")
             await check_values(c, dev)
             await check_races(c, dev)
+            await check_buckets(c, dev)
             if "through a private process group" in text:
                 assert group_calls(c) > 0, "nothing went through the device group"
         else:

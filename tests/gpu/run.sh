@@ -89,8 +89,8 @@ if [ "$DRY" = 1 ]; then
   step test_cuda_cpu_paths 120 "$PY" -m pytest -q -p no:cacheprovider --co tests/test_cuda.py
   read -r -a L1 <<< "$(launcher 1)"
   read -r -a L2 <<< "$(launcher 2)"
-  ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
-  ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
   [ "$FAILED" = 0 ]
   exit
 fi

@@ -25,8 +25,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from ..base.header import INLINE_BYTES
-from ..base.ops import FLOAT_CODES, ReduceOp
+from ..base.ops import FLOAT_CODES, NUMPY_OF_CODE, ReduceOp
+from ..base.tensors import Buffer
 from ..device.events import record
 from ..transports.process_group import PGGroup, PGRequest
 from .collective_ops import AllreduceOp, BroadcastOp
@@ -54,6 +57,28 @@ def pg_eligible(op: Operation, lane: Lane) -> bool:
     return True
 
 
+def device_buffer(tensor: Any) -> Buffer:
+    """A contiguous device tensor as a collective's buffer, for the process-group path
+    only: its header words come from a zero-stride placeholder of the same dtype and
+    size (no host memory); the data never leaves the device."""
+    from ..base.tensors import _torch_code
+
+    code = _torch_code(tensor.dtype)
+    holder = np.lib.stride_tricks.as_strided(np.zeros(1, NUMPY_OF_CODE[code]),
+                                             shape=(tensor.numel(),), strides=(0,))
+    return Buffer(holder, code, tuple(tensor.shape), _DeviceWrap(tensor), tensor)
+
+
+class _DeviceWrap:
+    """A device buffer's wrap: the tensor itself is the result."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.device_tensor = tensor
+
+    def __call__(self, array: Any) -> Any:
+        return self.device_tensor
+
+
 def make_pg(op: Operation) -> None:
     """Turn a built host operation into its process-group twin."""
     op.__class__ = _TWINS[type(op)]
@@ -67,21 +92,25 @@ def _tensor(op: Any) -> Any:
     return device if device is not None else op.buf.source
 
 
-def _land(op: Any, target: Any) -> None:
-    """Consumers of a CUDA result wait for this event (by stream); a CPU result is
-    ready now."""
+def _land(op: Any, target: Any) -> Any:
+    """The event consumers of a CUDA result wait for (by stream), recorded after the
+    collective and the scaling; None for a CPU result, which is ready now."""
+    event = record(target)
     mark = getattr(op.buf.wrap, "mark_done", None)
     if mark is not None:
-        mark(record(target))
+        mark(event)
+    return event
 
 
 class PGAllreduceOp(AllreduceOp):
-    """Allreduce of the caller's tensor on the channel's process group."""
+    """Allreduce of the caller's tensor on the channel's process group (a gradient
+    bucket's too: its data stage is `data_stages`, which a checked bucket runs
+    without a header round)."""
 
     def fill_inline(self, slot: Any) -> None:
         """Never inline: only payloads above INLINE_BYTES come here."""
 
-    def plan(self, rows: Any, payload: Any) -> list[Stage]:
+    def data_stages(self) -> list[Stage]:
         tensor = _tensor(self)
         in_place = self.out is self.buf.array
         self.target = tensor if in_place else sys.modules["torch"].clone(tensor)
@@ -94,7 +123,7 @@ class PGAllreduceOp(AllreduceOp):
         target = self.target
         if self.op is ReduceOp.AVERAGE:
             target.div_(self.lane.size)
-        _land(self, target)
+        self.done_event = _land(self, target)
         return target
 
 
@@ -114,8 +143,25 @@ class PGBroadcastOp(BroadcastOp):
         return [lambda t: PGRequest(group.issue_broadcast(self.target, self.root))]
 
     def finish(self) -> Any:
-        _land(self, self.target)
+        self.done_event = _land(self, self.target)
         return self.target
 
 
 _TWINS: dict[type, type] = {AllreduceOp: PGAllreduceOp, BroadcastOp: PGBroadcastOp}
+
+
+def pg_class(cls: type) -> type:
+    """`cls` (an allreduce, e.g. a gradient bucket's) with its data stage on the
+    process group: cached per class."""
+    twin = _TWINS.get(cls)
+    if twin is None:
+        assert issubclass(cls, AllreduceOp)
+        twin = _TWINS[cls] = type(f"PG{cls.__name__}", (cls,), {
+            "fill_inline": PGAllreduceOp.fill_inline, "data_stages": PGAllreduceOp.data_stages,
+            "finish": PGAllreduceOp.finish})
+    return twin
+
+
+def make_pg_bucket(op: Operation) -> None:
+    """A gradient bucket's allreduce, on the lane's process group."""
+    op.__class__ = pg_class(type(op))

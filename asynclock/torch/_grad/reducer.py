@@ -33,7 +33,10 @@ import torch
 from ..._core.api.collectives import LaneCollectives
 from ..._core.base.errors import CollectiveTimeout, JoinedError, MismatchError
 from ..._core.base.ops import ReduceOp
+from ..._core.device.events import record, stream_wait
+from ..._core.device.paths import describe as describe_path
 from ..._core.engine import making
+from ..._core.engine.device_pg import group_of
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
 from .apply import Updates, hyperparameters
@@ -145,6 +148,11 @@ class Reducer:
                  zero: Callable[[Params, bool], None], lane: Lane) -> None:
         self.coord, self.loop, self.registry, self.options = coord, loop, registry, options
         self.grad_lane = lane
+        self.on_gpu = registry.device.type == "cuda"
+        if self.on_gpu and group_of(lane) is None:
+            raise NotImplementedError(
+                f"CUDA parameters ({registry.device}) need the NCCL path: every rank with a "
+                f"GPU of its own and torch with NCCL; this job's: {describe_path()}")
         self.lane: LaneCollectives = coord.on_lane(lane)
         self.pre, self.post = options.scales(lane.size)  # a process set's, or the world's
         self.specs = registry.specs(options.wire_dtype)
@@ -188,7 +196,10 @@ class Reducer:
 
     def _notify(self, run: StepRun, k: int) -> None:
         """Bucket k is packed (hook thread): shared memory takes it directly, an
-        allreduce goes through the scheduler on the loop."""
+        allreduce goes through the scheduler on the loop (a CUDA bucket once the
+        hooks' copies into it, queued on this thread's stream, are done)."""
+        if self.on_gpu:
+            run.ready_events[k] = record(run.storage.comm[k])
         if run.transport is not None:
             run.transport.packed(run, k)
         else:
@@ -351,6 +362,8 @@ class Reducer:
             self.broken = error
             raise error
         with unpack_span(k):
+            if run.done_events[k] is not None:  # NCCL wrote it: wait by stream, not host
+                stream_wait(None, run.done_events[k])
             run.storage.unpack(k, 1.0 if run.transport is not None else self.post)
         run.unpacked[k] = True
         for i in run.plan.buckets[k].params:
@@ -379,7 +392,7 @@ class Reducer:
             return False
         self.replan_due = False
         mine = (self._proposal(run) if self.grad_lane.rank == 0 else None,
-                self.options.shm and eligible(self.coord, self.grad_lane))
+                self.options.shm and not self.on_gpu and eligible(self.coord, self.grad_lane))
         try:
             every = self.loop.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
         except JoinedError:  # a rank joined before its first round: re-plan when all are back

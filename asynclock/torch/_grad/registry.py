@@ -46,11 +46,13 @@ class ParamRegistry:
             raise ValueError("named_parameters was specified, but one or more model parameters "
                              f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
         self.params: list[torch.nn.Parameter] = [p for p in everything if p.requires_grad]
-        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
-        if off_cpu:
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
             raise NotImplementedError(
-                f"the gradient reducer works on CPU parameters, these are on {off_cpu}; "
-                "for GPUs use the collectives with asynclock.cuda (staged buckets)")
+                f"the gradient reducer works on parameters of one device, these are on "
+                f"{devices}: one optimizer per device (one rank per GPU, as with DDP)")
+        # where the buckets live: CUDA buckets travel over NCCL (`Reducer.check_device`)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.names = [names[id(p)] for p in self.params]
         self.frozen = [p for p in everything if not p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}

@@ -38,6 +38,10 @@ class StepRun:
         self.final_order: list[int] = []
         self.final_at = [0.0] * n_params
         self.started_at = time.perf_counter()
+        # CUDA buckets: the event after the hooks' copies into bucket k (hook thread),
+        # and the one after its reduction (loop), which unpacking waits for by stream
+        self.ready_events: list[Any] = [None] * n
+        self.done_events: list[Any] = [None] * n
         # loop side
         self.ready = [False] * n
         self.next = 0

@@ -40,9 +40,12 @@ from ..._core.base.errors import BackendError, JoinedError
 from ..._core.base.header import EVERY_RANK, Call
 from ..._core.base.ops import DTYPE_CODES, Kind, ReduceOp
 from ..._core.base.tensors import Buffer, as_buffer
+from ..._core.engine import staging
 from ..._core.engine.collective_ops import AllreduceOp
+from ..._core.engine.device_pg import device_buffer, group_of, make_pg_bucket
 from ..._core.engine.operation import Lane, Stage, State
 from ..._core.engine.progress import Engine
+from ..._core.transports.base import Request
 from . import grouped
 from .buckets import Plan
 from .run import StepRun
@@ -77,6 +80,16 @@ class BucketOp(AllreduceOp):
     def fail(self, exc: BaseException) -> None:
         super().fail(exc)
         self.on_done(self)
+
+    def issue_next(self, transport: Any) -> Request | None:
+        """A transport that names its stages (Horovod, whose response cache keys on
+        names) names a bucket's after the bucket, the same every round. Not in a round
+        a joined rank stands in for: its stand-in carries no bucket name."""
+        named = getattr(transport, "named_stages", None)
+        if named is None or self.joined:
+            return super().issue_next(transport)
+        with named(self.call.name):
+            return super().issue_next(transport)
 
 
 class CheckedBucketOp(BucketOp):
@@ -259,6 +272,7 @@ class Scheduler:
     # -- buckets ---------------------------------------------------------------------
     def _launch(self, run: StepRun, k: int, nbytes: int) -> None:
         def done(op: BucketOp) -> None:
+            run.done_events[k] = getattr(op, "done_event", None)  # a CUDA bucket's
             self._finished(run, k, nbytes, op.error)
 
         run.launched_at[k] = time.perf_counter()
@@ -266,15 +280,27 @@ class Scheduler:
         checked = self._check.get(run.number) is Check.PASSED
         self._header_buckets += not checked
         try:
-            self.engine.submit(self._bucket_op(run, k, done, checked))
+            op = self._bucket_op(run, k, done, checked)
+            ready = run.ready_events[k]
+            if ready is None:
+                self.engine.submit(op)
+            else:  # a CUDA bucket: issued once the hooks' copies into it are done
+                staging.submit_after(self.engine, self.lane, op, ready)
         except Exception as exc:  # the transport refused: this bucket fails, ranks stay in step
             self._finished(run, k, nbytes, BackendError(f"gradient bucket {k}: {exc}"))
 
     def _bucket_op(self, run: StepRun, k: int, done: Callable[[BucketOp], None],
                    checked: bool) -> BucketOp:
         """Bucket k's allreduce; a Horovod group of handed gradients where it can be."""
-        buf = as_buffer(run.storage.comm[k], writable=True)
+        tensor = run.storage.comm[k]
         name = f"grad.g{run.generation}.b{k}"
+        if tensor.is_cuda or (staging.cpu_twin() and group_of(self.lane) is not None):
+            # over NCCL (on CPU tensors, gloo: the twin), on the device's own stream
+            buf = device_buffer(tensor) if tensor.is_cuda else as_buffer(tensor, writable=True)
+            op = bucket_op(self.lane, buf, name, done, checked)
+            make_pg_bucket(op)
+            return op
+        buf = as_buffer(tensor, writable=True)
         if run.handed is None or not run.storage.grouped_bucket(k):
             return bucket_op(self.lane, buf, name, done, checked)
         b = run.plan.buckets[k]

@@ -83,7 +83,8 @@ class GradStorage:
             for buf in self.flat.values():
                 buf.zero_()
         else:
-            self.flat = {g: torch.zeros(n, dtype=_DTYPES[g]) for g, n in plan.group_numel.items()}
+            self.flat = {g: torch.zeros(n, dtype=_DTYPES[g], device=registry.device)
+                         for g, n in plan.group_numel.items()}
         self.writable: Callable[[], None] = _nothing
         self.comm = [self.flat[b.group][b.offset: b.offset + b.numel] for b in plan.buckets]
         self.region: dict[int, torch.Tensor] = {}
