@@ -17,5 +17,5 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
                           env={**os.environ, "ASYNCLOCK_GPU_LOGS": str(tmp_path)})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "overall: PASS" in out, out[-4000:]
-    for step in ("nccl_path_1rank", "nccl_path_2ranks"):
+    for step in ("nccl_path_1rank", "nccl_path_2ranks", "bench_step_dropin", "bench_step_async"):
         assert f"PASS  {step}" in out, out[-4000:]

@@ -13,6 +13,8 @@
 #   4b. tests/gpu/nccl_path.py     the NCCL path at 1 rank; 2 ranks sharing the GPU agree on staging
 #   5. tests/gpu/bench_wait_gpu.py poll vs thread vs blocking waits (latency, CPU, loop liveness)
 #   6. tests/gpu/bench_train_gpu.py on 1 rank and on 2 ranks sharing the GPU
+#   7. tests/gpu/bench_step_gpu.py at 1 rank: ResNet-18-sized CNN and a small transformer in
+#      bf16, compute / DDP (NCCL) / the drop-in / the async API (target <= 1.02x DDP)
 # then prints a summary (PASS/FAIL per step and the benchmark medians) and exits non-zero
 # if any step failed.
 #
@@ -91,6 +93,10 @@ if [ "$DRY" = 1 ]; then
   read -r -a L2 <<< "$(launcher 2)"
   ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
   ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  for api in dropin async; do
+    ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step "bench_step_$api" 120 "${L1[@]}" "$PY" \
+      tests/gpu/bench_step_gpu.py --cpu --api "$api" --steps 2 --windows 2 --warmup 1
+  done
   [ "$FAILED" = 0 ]
   exit
 fi
@@ -172,4 +178,7 @@ step nccl_path_2ranks_1gpu 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py
 step bench_wait 120 "$PY" tests/gpu/bench_wait_gpu.py --reps 15
 step bench_train_1rank 150 "${L1[@]}" "$PY" tests/gpu/bench_train_gpu.py --steps 30
 step bench_train_2ranks_1gpu 180 "${L2[@]}" "$PY" tests/gpu/bench_train_gpu.py --steps 30
+# step time at world size 1, compute / DDP over NCCL / asynclock (target: <= 1.02x DDP)
+step bench_step_dropin 150 "${L1[@]}" "$PY" tests/gpu/bench_step_gpu.py --api dropin
+step bench_step_async 150 "${L1[@]}" "$PY" tests/gpu/bench_step_gpu.py --api async
 [ "$FAILED" = 0 ]
