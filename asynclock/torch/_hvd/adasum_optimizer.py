@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .._grad.compression import Compression
-from .grouped_ops import grouped_allreduce
-from .mpi_ops import ADASUM
+from .mpi_ops import ADASUM, grouped_allreduce
 
 
 class _AdasumOptimizer(torch.optim.Optimizer):

@@ -26,7 +26,7 @@ import torch
 from ..._core.base.ops import ReduceOp, as_reduce_op
 from ..._core.runtime import coordinator as runtime
 from .._grad.compression import Compression
-from . import grouped_ops, mpi_ops
+from . import mpi_ops
 from .mpi_ops import ADASUM
 
 
@@ -103,10 +103,10 @@ def _grouped_allreduce(tensors: list[torch.Tensor], average: bool | None, name: 
                        compression: Any, op: Any, prescale: float, postscale: float,
                        process_set: Any) -> list[torch.Tensor]:
     if all(t.is_floating_point() for t in tensors):
-        return grouped_ops.grouped_allreduce(tensors, average, name, compression, op, prescale,
-                                             postscale, process_set)
-    out = grouped_ops.grouped_allreduce([scale(t, prescale) for t in tensors], average, name,
-                                        compression, op, 1.0, 1.0, process_set)
+        return mpi_ops.grouped_allreduce(tensors, average, name, compression, op, prescale,
+                                         postscale, process_set)
+    out = mpi_ops.grouped_allreduce([scale(t, prescale) for t in tensors], average, name,
+                                    compression, op, 1.0, 1.0, process_set)
     return [scale(t, postscale) for t in out]
 
 
@@ -145,11 +145,11 @@ def _my_rows(grads: list[torch.Tensor], rows: list[int], process_set: Any
              ) -> list[torch.Tensor]:
     """This rank's rows of each averaged gradient: every rank's row counts are gathered
     (dim 0 may differ per rank) to find where this rank's start."""
-    averaged = grouped_ops.grouped_allreduce([g.contiguous() for g in grads],
-                                             op=ReduceOp.AVERAGE, process_set=process_set)
+    averaged = mpi_ops.grouped_allreduce([g.contiguous() for g in grads],
+                                         op=ReduceOp.AVERAGE, process_set=process_set)
     me, size = _place(process_set)
-    counts = grouped_ops.grouped_allgather([torch.tensor([n], dtype=torch.int64)
-                                            for n in rows], process_set=process_set)
+    counts = mpi_ops.grouped_allgather([torch.tensor([n], dtype=torch.int64)
+                                        for n in rows], process_set=process_set)
     out = []
     for g, n, every in zip(averaged, rows, counts, strict=True):
         start = int(every.view(size)[:me].sum().item())
@@ -164,7 +164,7 @@ class _Allgather(torch.autograd.Function):
         ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
         if len(tensors) == 1:
             return (mpi_ops.allgather(tensors[0], name, process_set),)
-        return tuple(grouped_ops.grouped_allgather(list(tensors), name, process_set))
+        return tuple(mpi_ops.grouped_allgather(list(tensors), name, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -183,7 +183,7 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
     """Each tensor concatenated over ranks along dim 0 (all in flight together)."""
     if _wants_grad(*tensors):
         return list(_apply(_Allgather, name, process_set, *tensors))
-    return grouped_ops.grouped_allgather(tensors, name, process_set)
+    return mpi_ops.grouped_allgather(tensors, name, process_set)
 
 
 # -- broadcast --------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def _scatter_grads(grads: tuple[torch.Tensor, ...], op: Any, prescale: float,
     _, size = _place(process_set)
     factor = (size if as_reduce_op(op) == ReduceOp.SUM else 1) * prescale * postscale
     scaled = [g * factor if factor != 1 else g.contiguous() for g in grads]
-    return grouped_ops.grouped_allgather(scaled, process_set=process_set)
+    return mpi_ops.grouped_allgather(scaled, process_set=process_set)
 
 
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, process_set: Any,
@@ -272,7 +272,7 @@ def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, proce
     if len(scaled) == 1:
         out = [mpi_ops.reducescatter(scaled[0], name, op=op, process_set=process_set)]
     else:
-        out = grouped_ops.grouped_reducescatter(scaled, name, op=op, process_set=process_set)
+        out = mpi_ops.grouped_reducescatter(scaled, name, op=op, process_set=process_set)
     return [scale(t, postscale) for t in out]
 
 

@@ -5,18 +5,26 @@
 (`coord.run_sync`) to start or await the checked collective, so the same
 header checks, mismatch errors and progress engine serve both APIs. The
 default reduce op is Average, as in Horovod.
+
+As in Horovod's `horovod.torch.mpi_ops`, the grouped collectives, the remaining
+`*_async` ones, sparse allreduce, the timeline switch, `HorovodInternalError` and
+the build probes live here too: a Horovod script that touches any of them must not
+stop at an AttributeError after its import line changed, and they share this
+module's handle table.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 import torch
 
+from ... import timeline
 from ..._core.base import adasum
+from ..._core.base.errors import AsynclockError
 from ..._core.base.ops import ReduceOp, as_reduce_op
 from ..._core.base.tensors import InputRejected
 from ..._core.engine.handle import Handle
@@ -26,7 +34,7 @@ from .process_sets import api_of, root_of
 
 Post = Callable[[Any], Any]
 T = TypeVar("T")
-_handles: dict[int, tuple[Any, Post]] = {}  # a Handle, or a grouped_ops.GroupHandle
+_handles: dict[int, tuple[Any, Post]] = {}  # a Handle, or a GroupHandle
 _ids = itertools.count(1)
 _lock = threading.Lock()
 
@@ -292,3 +300,217 @@ def join(device: int = -1) -> int:
     joined last. `device` is accepted for compatibility."""
     coord = runtime.coordinator()
     return int(coord.run_sync(coord.join))
+
+
+# -- grouped collectives and the remaining `*_async` ones ---------------------------------
+# A group starts all its collectives in one hop to the loop thread (a hop costs as much
+# as a small collective), so they are in flight together, and its handle's `synchronize`
+# returns the list of results in order.
+class GroupHandle:
+    """Several collectives as one handle: done when all are; results in order."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        results = []
+        for h in self.handles:
+            results.append((yield from h.__await__()))
+        return results
+
+
+def _start_group(starts: list[Callable[[], Handle]], posts: list[Post]) -> int:
+    """All starts in one hop; the handle's `synchronize` applies each post in order."""
+    group = _start_async(lambda: GroupHandle([start() for start in starts]))
+
+    def post(results: list[Any]) -> list[Any]:
+        return [p(r) for p, r in zip(posts, results, strict=True)]
+
+    return _register(group, post)
+
+
+def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, compression: Any = Compression.none,
+                            op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = None) -> int:
+    """Start an allreduce of a copy of each tensor; one handle for the group."""
+    api = api_of(process_set)
+    prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor)
+                for t in tensors]
+    pairs = [start_allreduce(api, work, rop, _part(name, n))
+             for n, (work, rop, _) in enumerate(prepared)]
+    return _start_group([start for start, _ in pairs],
+                        [_then(finish, post) for (_, finish), (_, _, post) in
+                         zip(pairs, prepared, strict=True)])
+
+
+def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """Allreduce each tensor (all in flight together)."""
+    return _results(grouped_allreduce_async(tensors, average, name, compression, op,
+                                            prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = None) -> int:
+    """In place: `synchronize` writes each result into its tensor and returns them."""
+    n = grouped_allreduce_async(tensors, average, name, Compression.none, op, prescale_factor,
+                                postscale_factor, process_set)
+    return then(n, lambda out: [t.copy_(r) for t, r in zip(tensors, out, strict=True)])
+
+
+def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """In-place `grouped_allreduce`: write each reduction into its tensor (all in
+    flight together) and return the tensors."""
+    return _results(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                             postscale_factor, process_set))
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
+                            process_set: Any = None) -> int:
+    """Start `grouped_allgather`; one handle for the group, whose `synchronize`
+    returns each tensor concatenated over ranks along dim 0."""
+    api = api_of(process_set)
+    starts = [_gather_start(api, t.contiguous(), _part(name, n)) for n, t in enumerate(tensors)]
+    return _start_group(starts, [_same] * len(tensors))
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
+                      process_set: Any = None) -> list[Any]:
+    """Each tensor concatenated over ranks along dim 0 (all in flight together)."""
+    return _results(grouped_allgather_async(tensors, name, process_set))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
+                        op: Any = None, process_set: Any = None) -> int:
+    """Start `reducescatter`; `synchronize` returns this rank's slice."""
+    api, rop = api_of(process_set), _reduce_op(None, op)
+    return _register(_start_async(_scatter_start(api, tensor.contiguous(), rop, name)), _same)
+
+
+def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
+                                compression: Any = None, op: Any = None,
+                                process_set: Any = None) -> int:
+    """Reduce each tensor (Average unless `op`), keep this rank's slice of dim 0."""
+    api, rop = api_of(process_set), _reduce_op(None, op)
+    starts = [_scatter_start(api, t.contiguous(), rop, _part(name, n))
+              for n, t in enumerate(tensors)]
+    return _start_group(starts, [_same] * len(tensors))
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
+                          compression: Any = None, op: Any = None,
+                          process_set: Any = None) -> list[Any]:
+    return _results(grouped_reducescatter_async(tensors, name, compression, op, process_set))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = None) -> int:
+    """Start an alltoall; as in Horovod, `synchronize` returns (output, received_splits)."""
+    api = api_of(process_set)
+
+    def post(result: Any) -> Any:
+        out, received = result
+        return out, torch.tensor(received, dtype=torch.int32)
+
+    start = start_alltoall(_start_async, lambda split_list: api.alltoall_async(
+        tensor.contiguous(), split_list, name=name), splits)
+    return _register(start, post)
+
+
+def _results(handle: int) -> list[Any]:
+    out: list[Any] = synchronize(handle)
+    return out
+
+
+def _part(name: str | None, n: int) -> str | None:
+    return f"{name}.{n}" if name else None
+
+
+def _then(first: Post, second: Post) -> Post:
+    return lambda x: second(first(x))
+
+
+def _gather_start(api: Any, t: torch.Tensor, name: str | None) -> Callable[[], Handle]:
+    return lambda: api.allgather_async(t, name=name)
+
+
+def _scatter_start(api: Any, t: torch.Tensor, rop: Any,
+                   name: str | None) -> Callable[[], Handle]:
+    return lambda: api.reduce_scatter_async(t, rop, name=name)
+
+
+# -- the last Horovod 0.28 names: errors, the timeline, sparse allreduce, build probes ---
+# What Horovod raises when a collective fails; asynclock's errors all derive from this.
+HorovodInternalError = AsynclockError
+
+_timeline_out: list[str] = []  # where stop_timeline() writes the merged trace
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's: record from now on (every rank calls it). Each rank writes its own
+    events next to `file_path`; `stop_timeline()` merges them into `file_path` on rank 0.
+    asynclock has no cycles to mark: `mark_cycles` is accepted and ignored."""
+    coord = runtime.coordinator()
+    timeline.start(f"{file_path}.events", rank=coord.rank, size=coord.size)
+    _timeline_out[:] = [file_path]
+
+    async def attach() -> None:
+        timeline.attach(coord.engine)  # engine state is the loop's
+
+    coord.run_sync(attach)
+
+
+def stop_timeline() -> None:
+    """Stop recording on every rank (collective: a barrier); rank 0 writes the trace."""
+    coord = runtime.coordinator()
+    out = _timeline_out[0] if _timeline_out else None
+
+    async def finish() -> None:
+        coord.engine.on_event = None
+        await timeline.finish(coord, out=out)
+
+    coord.run_sync(finish)
+    _timeline_out.clear()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
+                           process_set: Any = None) -> Callable[[], torch.Tensor]:
+    """Horovod's sparse allreduce: every rank's (index, value) pairs gathered, summed
+    where indices repeat (`coalesce`), divided by the size for Average. As in
+    Horovod, the handle is a function: call it for the result."""
+    sparse = tensor.coalesce()
+    api = api_of(process_set)
+    indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()
+    group = _start_async(lambda: GroupHandle([
+        api.allgather_async(indices, name=f"{name}.indices" if name else None),
+        api.allgather_async(values, name=f"{name}.values" if name else None)]))
+    average = _reduce_op(None, op) is ReduceOp.AVERAGE
+
+    def post(parts: list[Any]) -> torch.Tensor:
+        every_index, every_value = parts
+        if average:
+            every_value = every_value / api.group_size
+        return torch.sparse_coo_tensor(every_index.t(), every_value, sparse.shape).coalesce()
+
+    handle = _register(group, post)
+    return lambda: synchronize(handle)
+
+
+def ccl_built() -> bool:
+    """False: asynclock has no oneCCL support (Horovod's `hvd.ccl_built()`)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: asynclock has no IBM DDL support (Horovod's `hvd.ddl_built()`)."""
+    return False
