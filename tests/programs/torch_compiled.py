@@ -2,7 +2,7 @@
 
 Gradients leave a compiled model through the same AccumulateGrad nodes, so the
 hooks see them as in eager mode; the gate's pre-hooks and SyncBatchNorm wait
-on buckets and collectives and must run eagerly (`asynclock.torch._grad.eager`)
+on buckets and collectives and must run eagerly (`asynclock.torch._grad.compile_exempt`)
 instead of being traced. Each check compares with the eager single-process
 result of the whole global batch.
 """

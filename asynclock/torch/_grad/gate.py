@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .apply import Updates
-from .eager import eager, forget_compiled_code
+from .compile_exempt import eager, forget_compiled_code
 from .registry import ParamRegistry
 
 

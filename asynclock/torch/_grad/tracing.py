@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ... import timeline
-from .eager import eager
+from .compile_exempt import eager
 
 
 def trace_module(model: torch.nn.Module, name: str = "forward") -> list[Any]:

@@ -23,7 +23,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..._core.runtime import coordinator as runtime
-from .._grad.eager import eager
+from .._grad.compile_exempt import eager
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
