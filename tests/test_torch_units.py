@@ -201,8 +201,8 @@ def _one_rank_scheduler(nbuckets: int):  # type: ignore[no-untyped-def]
     from asynclock._core.engine.operation import Lane
     from asynclock._core.engine.progress import Engine
     from asynclock._core.transports.local import LocalBackend
-    from asynclock.torch._grad.run import StepRun
     from asynclock.torch._grad.scheduler import Scheduler
+    from asynclock.torch._grad.step_run import StepRun
 
     params = [torch.nn.Parameter(torch.ones(8)) for _ in range(nbuckets)]
     reg = ParamRegistry(torch.optim.SGD(params, lr=0.1).param_groups)
@@ -245,7 +245,7 @@ def test_a_checked_round_issues_one_check_then_bare_data_stages() -> None:
 def test_the_check_waits_for_the_round_before_to_launch_everything() -> None:
     """Its place on the lane is after every op of the round before, on every rank,
     however early this rank packs the next round's first bucket."""
-    from asynclock.torch._grad.run import StepRun
+    from asynclock.torch._grad.step_run import StepRun
 
     scheduler, first, lane = _one_rank_scheduler(2)
     second = StepRun(2, 0, first.plan, first.storage, 1, 2)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .run import StepRun
+from .step_run import StepRun
 
 STALE_FORWARD = (
     "layer-gated forward: the gradient of {} arrived while its deferred update was still "

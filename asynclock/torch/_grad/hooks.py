@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .registry import ParamRegistry
-from .run import StepRun
+from .step_run import StepRun
 from .storage import GradStorage
 from .tracing import RoundTrace, pack_span
 

@@ -46,10 +46,10 @@ from .loop_access import LoopAccess
 from .priority import link_speed, priority_launch
 from .registry import ParamRegistry
 from .release import Held
-from .run import StepRun
 from .scheduler import Scheduler
 from .shard import Shards
 from .shm import SharedArena, ShmTransport, eligible
+from .step_run import StepRun
 from .storage import GradStorage
 from .tracing import unpack_span
 

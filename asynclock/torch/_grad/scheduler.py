@@ -48,7 +48,7 @@ from ..._core.engine.progress import Engine
 from ..._core.transports.base import Request
 from . import grouped
 from .buckets import Plan
-from .run import StepRun
+from .step_run import StepRun
 
 
 def bucket_op(lane: Lane, buf: Buffer, name: str, on_done: Callable[[BucketOp], None],

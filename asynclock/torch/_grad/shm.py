@@ -35,10 +35,10 @@ from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
 from ..._core.engine.progress import Engine
 from .buckets import Plan
-from .run import StepRun
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
+from .step_run import StepRun
 from .windows import allocate_shared, free_shared
 
 ALIGN = 64

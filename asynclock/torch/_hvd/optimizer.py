@@ -39,8 +39,8 @@ from .._grad.reducer import (
     sync_shards,
 )
 from .._grad.registry import ParamRegistry
-from .._grad.run import StepRun
 from .._grad.shard import Shards, check_shardable, refuse_unsharded
+from .._grad.step_run import StepRun
 from .._grad.tracing import step_span, trace_module
 
 ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
