@@ -12,16 +12,17 @@ op running to completion on every rank (no desync).
 Horovod failures reach the caller as asynclock's BackendError on every rank:
 
 1. `mismatch_poll` / `mismatch_wait`: a data stage whose shapes differ across
-   ranks reaches Horovod. The header check would stop this before any data
-   moves, so the program issues on the grad lane's channel directly, as a
-   buggy transport user would. Horovod's coordinator fails the op on every
-   rank; asynclock raises BackendError naming the Horovod op, both through
-   the engine's poller (`Test`) and through a blocking `Wait` in a thread.
+   ranks (as many elements, another shape) reaches Horovod. The header check
+   would stop this before any data moves, so the program issues on the grad
+   lane's channel directly, as a buggy transport user would. Horovod's
+   coordinator fails the op on every rank; asynclock raises BackendError
+   naming the Horovod op, both through the engine's poller (`Test`) and
+   through a blocking `Wait` in a thread.
 2. `alive`: Horovod and asynclock keep working after that error.
 3. `small_never_horovod`: small collectives never touch Horovod (headers go
    over MPI, or the TCP mesh under gloo): after 50 of them the next Horovod
-   op on the lane is still the lane's first (`.d1`), which the test also finds
-   in Horovod's own timeline (HOROVOD_TIMELINE passes through).
+   op on the lane is still the lane's first, which the test also finds in
+   Horovod's own timeline (HOROVOD_TIMELINE passes through) under its name.
 4. `horovod_down`: Horovod shut down under asynclock: a collective that needs
    a Horovod data stage raises BackendError on every rank, while small
    collectives and barriers still complete.
@@ -109,21 +110,23 @@ async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
 async def check_mismatch(c: asynclock.Coordinator) -> None:
     chan = c.grad_lane.transport
     prefix = chan._prefix  # type: ignore[attr-defined]
-    req = chan.iallreduce(None, np.ones(3 + c.rank, np.float32), ReduceOp.SUM)
+    req = chan.iallreduce(None, np.ones((6,) if c.rank else (2, 3), np.float32), ReduceOp.SUM)
     error: BaseException | None = None
     try:
         await c.engine.wait(c.engine.track(req, "direct horovod allreduce"))
     except BaseException as exc:  # noqa: BLE001 - inspected below
         error = exc
-    expect_backend_error(error, "Mismatched ALLREDUCE tensor shapes", f"{prefix}.d1")
+    expect_backend_error(error, "Mismatched ALLREDUCE tensor shapes",
+                         f"{prefix}.allreduce.sum.float32.6.s0")
     report(c.rank, "mismatch_poll")
-    req = chan.iallreduce(None, np.ones(1000 + c.rank, np.float64), ReduceOp.MAX)
+    req = chan.iallreduce(None, np.ones((1000,) if c.rank else (10, 100)), ReduceOp.MAX)
     error = None
     try:
         await anyio.to_thread.run_sync(req.Wait)
     except BaseException as exc:  # noqa: BLE001
         error = exc
-    expect_backend_error(error, "Mismatched ALLREDUCE tensor shapes", f"{prefix}.d2")
+    expect_backend_error(error, "Mismatched ALLREDUCE tensor shapes",
+                         f"{prefix}.allreduce.max.float64.1000.s0")
     report(c.rank, "mismatch_wait")
 
 
@@ -139,10 +142,11 @@ async def check_small_never_horovod(c: asynclock.Coordinator) -> None:
         got = await lane.allreduce(torch.full((8,), float(i + c.rank)))
         assert torch.all(got == i * c.size + c.size * (c.size - 1) / 2)
     chan = c.sync_lane.transport
-    assert chan._count["d"] == 0, chan._count  # type: ignore[attr-defined]
+    assert chan._issued == 0, chan._issued  # type: ignore[attr-defined]
     await lane.allreduce(torch.ones(1000))
-    assert chan._count["d"] == 1, chan._count  # type: ignore[attr-defined]
-    report(c.rank, "small_never_horovod", f"{chan._prefix}.d1")  # type: ignore[attr-defined]
+    assert chan._issued == 1, chan._issued  # type: ignore[attr-defined]
+    report(c.rank, "small_never_horovod",
+           f"{chan._prefix}.allreduce.sum.float32.1000.s0")  # type: ignore[attr-defined]
 
 
 async def check_horovod_down(c: asynclock.Coordinator) -> None:

@@ -7,10 +7,32 @@ communicators of an `MPIChannel` (microseconds), so small collectives whose
 payload rides inline in the header (<= 128 B) complete without touching
 Horovod at all and are not bound by its cycle time (1 ms by default). Only
 data stages go to Horovod: `allreduce_async_`, `broadcast_async_`,
-`allgather_async`, `reducescatter_async`, `alltoall_async`, each under a
-unique, rank-consistent name (`asynclock<k>.<lane>.d<n>`: data stages are
-issued in header order, so the n-th stage of a lane is the same call on
-every rank).
+`allgather_async`, `reducescatter_async`, `alltoall_async`.
+
+Names. Horovod's coordinator negotiates every tensor by name, and answers a
+name it has seen from its response cache (one bit-vector allreduce per cycle
+instead of a round of requests and responses through rank 0) as long as the
+name comes back with the same shape and dtype. So a data stage's name is the
+same step after step for the same logical tensor, the same on every rank, and
+never held twice at once on a rank (Horovod refuses a name in flight):
+
+- a gradient bucket's stage is named after the bucket
+  (`asynclock<k>.<lane>.grad.g<generation>.b<bucket>.grouped...`): every rank
+  issues it under that name every round (`named_stages`);
+- any other stage after what every rank knows of it, its signature (kind,
+  op, dtype, agreed size), and a slot: the slot whose last use lies at least
+  `_REUSE_AFTER` stages back on the channel, else a new one. Data stages are
+  issued in header order, so every rank counts the same stages and picks the
+  same slot; a stage the user names goes the same way, since a call may reach
+  the transport by more than one path;
+- what the name leaves out must not change under it: a cache hit reuses the
+  cached response, whose kind, reduce op and scale factors Horovod does not
+  compare, so those are part of every name;
+- broadcasts and reduce-scatters, which Horovod never caches, keep a unique
+  name (`asynclock<k>.<lane>.<kind>.<n>`) and never wait;
+- a stage whose name an earlier stage of this rank still holds is enqueued
+  once that one finished (`HorovodRequest`): it is the same name on every
+  rank, so this only delays it.
 
 Under `horovodrun --gloo` there is no MPI world. Header rounds, barriers,
 agreement rounds and point-to-point messages then travel on a TCP mesh
@@ -42,7 +64,9 @@ import math
 import os
 import socket
 import struct
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +86,19 @@ from .node_segment import NodeSegment
 
 Finish = Callable[[Any], None]
 Launch = Callable[[Any, str], int]  # (horovod.torch, op name) -> handle
+Enqueue = Callable[[], int]  # a launch with its name bound
 
 # dtypes Horovod's CPU allreduce/reducescatter accept; smaller ints go as int64.
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
 _PAUSE_SHARE = 0.1  # a wait sleeps at most this share of its time so far between polls
 GROUP_DEFAULTS = {"HOROVOD_DISABLE_GROUP_FUSION": "1"}  # see the module docstring
+# An unnamed stage takes the first of its signature's names last used at least this many
+# stages back on the channel: enough names for a burst of equal stages in flight at once,
+# few enough that a step's stages come back to the same names.
+_REUSE_AFTER = 64
+_FORGET_AFTER = 4096  # a signature unused for this many stages gives up its names
+_UNCACHED = frozenset({"broadcast", "reducescatter"})  # kinds Horovod never caches
 _instances = itertools.count()  # backends are made in the same order on every rank
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _module: Any = None
@@ -138,21 +169,60 @@ def _row_width(counts: list[int], size: int) -> int | None:
 class HorovodRequest:
     """A Horovod handle with mpi4py's `Test`/`Wait`; `finish` copies results out.
 
+    Made with `after`, the request that last held its name on this rank: until that
+    one finished, Horovod would refuse the name, so it is enqueued by the first
+    `Test` or `Wait` that finds its name free.
+
     A failed operation raises `BackendError` from `Test`/`Wait`; the engine
     fails that operation only, on every rank (Horovod reports a failure to
     every rank taking part).
     """
 
-    __slots__ = ("handle", "what", "finish", "done")
+    __slots__ = ("handle", "what", "finish", "done", "_enqueue", "_after")
 
-    def __init__(self, handle: int, what: str, finish: Finish | None) -> None:
-        self.handle, self.what, self.finish = handle, what, finish
+    def __init__(self, what: str, enqueue: Enqueue, finish: Finish | None,
+                 after: HorovodRequest | None = None) -> None:
+        self.what, self.finish = what, finish
         self.done = False
+        self.handle: int | None = None
+        self._enqueue: Enqueue | None = enqueue
+        self._after = after
+        if after is None or after.released():
+            self._start()
+
+    def _start(self) -> None:
+        enqueue, self._enqueue, self._after = self._enqueue, None, None
+        assert enqueue is not None
+        try:
+            self.handle = enqueue()
+        except Exception as exc:  # refused at enqueue: e.g. Horovod is shut down
+            self.done = True  # holds its name no longer
+            raise BackendError(f"horovod {self.what}: {exc}") from exc
+
+    def _started(self) -> bool:
+        """Enqueued in Horovod, now if its name just became free."""
+        if self.handle is None:
+            after = self._after
+            if after is not None and not after.released():
+                return False
+            self._start()
+        return True
+
+    def released(self) -> bool:
+        """Horovod no longer holds this request's name: it finished or failed."""
+        if self.done:
+            return True
+        if self.handle is None:
+            return False
+        try:
+            return bool(_hvd().poll(self.handle))
+        except Exception:  # another thread's `synchronize` cleared the handle: finished
+            return True
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
         if self.done:
             return True
-        if not _hvd().poll(self.handle):
+        if not self._started() or not _hvd().poll(self.handle):
             os.sched_yield()  # only Horovod's thread can finish it: let it have the core
             return False
         self._complete()
@@ -161,6 +231,8 @@ class HorovodRequest:
     def Wait(self) -> None:  # noqa: N802
         """Sleep-poll in the wait thread: `hvd.synchronize` spins a core on
         `yield()`, which a 2-core host shares with Horovod's own thread."""
+        if self.handle is None:
+            poll_until(self._started, Backoff(_MIN_PAUSE, _MAX_PAUSE, share=_PAUSE_SHARE))
         poll, handle = _hvd().poll, self.handle
         poll_until(lambda: self.done or bool(poll(handle)),
                    Backoff(_MIN_PAUSE, _MAX_PAUSE, share=_PAUSE_SHARE))
@@ -177,6 +249,11 @@ class HorovodRequest:
             self.finish(out)
 
 
+def _crc(values: Any) -> str:
+    """A short digest of agreed numbers (the same on every rank, unlike `hash`)."""
+    return f"{zlib.crc32(','.join(map(str, values)).encode()):08x}"
+
+
 class HorovodChannel:
     """One subsystem's traffic: MPI (or the gloo fallbacks) for headers, Horovod for data."""
 
@@ -185,18 +262,59 @@ class HorovodChannel:
         self.name, self.rank, self.size = name, rank, size
         self.mpi, self.port = mpi, port
         self._prefix = f"{prefix}.{name}"
-        self._count = {"d": 0}  # data stages: named in header order
+        self._issued = 0  # data stages started here: the same count on every rank
+        self._label = ""  # the name of the stages being started (`named_stages`)
+        self._slots: dict[str, list[int]] = {}  # signature -> when each of its names was used
+        self._holders: dict[str, HorovodRequest] = {}  # name -> its latest request
+        self._sweep_at = 256
 
-    def _start(self, tag: str, what: str, launch: Launch,
-               finish: Finish | None = None) -> HorovodRequest:
-        """Name the op (rank-consistent: each tag's calls come in agreed order) and issue it."""
-        self._count[tag] += 1
-        name = f"{self._prefix}.{tag}{self._count[tag]}"
+    @contextmanager
+    def named_stages(self, name: str) -> Iterator[None]:
+        """Stages started inside are named after `name` (a gradient bucket), which every
+        rank gives the same stage, the same each time it comes back."""
+        self._label = name
         try:
-            handle = launch(_hvd(), name)
-        except Exception as exc:  # refused at enqueue: e.g. Horovod is shut down
-            raise BackendError(f"horovod {what} {name}: {exc}") from exc
-        return HorovodRequest(handle, f"{what} {name}", finish)
+            yield
+        finally:
+            self._label = ""
+
+    def _name(self, kind: str, sig: str, key: str) -> tuple[str, bool]:
+        """The stage's name (see the module text), and whether an earlier stage may hold it.
+        `sig`: what must not change under one name; `key`: the rest of what every rank
+        knows of the stage, for stages without a label."""
+        n = self._issued
+        self._issued = n + 1
+        if n and n % _FORGET_AFTER == 0:
+            self._slots = {k: uses for k, uses in self._slots.items()
+                           if max(uses) > n - _FORGET_AFTER}
+        if kind in _UNCACHED:
+            return f"{self._prefix}.{kind}.{n}", False
+        if self._label:
+            return f"{self._prefix}.{self._label}.{kind}{sig}", True
+        signature = f"{kind}{sig}{key}"
+        uses = self._slots.setdefault(signature, [])
+        for slot, last in enumerate(uses):
+            if n - last >= _REUSE_AFTER:
+                uses[slot] = n
+                break
+        else:
+            slot = len(uses)
+            uses.append(n)
+        return f"{self._prefix}.{signature}.s{slot}", True
+
+    def _start(self, kind: str, sig: str, key: str, what: str, launch: Launch,
+               finish: Finish | None = None) -> HorovodRequest:
+        """Name the op and issue it, once no earlier stage of this rank holds the name."""
+        name, reused = self._name(kind, sig, key)
+        after = self._holders.get(name) if reused else None
+        hvd = _hvd()
+        req = HorovodRequest(f"{what} {name}", lambda: launch(hvd, name), finish, after)
+        if reused:
+            self._holders[name] = req
+            if len(self._holders) > self._sweep_at:  # forget names no request holds
+                self._holders = {k: r for k, r in self._holders.items() if not r.released()}
+                self._sweep_at = max(256, 2 * len(self._holders))
+        return req
 
     # -- header rounds: MPI when there is a world, else the TCP mesh -------------
     @property
@@ -232,8 +350,9 @@ class HorovodChannel:
             np.copyto(work, recv if send is None else send, casting="unsafe")
         t = _tensor(work)
         finish = None if work is recv else (lambda _: np.copyto(recv, work, casting="unsafe"))
-        return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
-            t, name=n, op=_hvd_op(op)), finish)
+        return self._start("allreduce", f".{op.name.lower()}", f".{work.dtype}.{work.size}",
+                           "allreduce", lambda h, n: h.allreduce_async_(t, name=n, op=_hvd_op(op)),
+                           finish)
 
     def iallreduce_grouped(self, inputs: list[Any], outputs: list[Any],
                            prescale: float) -> Request:
@@ -245,7 +364,9 @@ class HorovodChannel:
             return int(h.mpi_ops._grouped_allreduce_async(
                 inputs, outputs, name, h.Sum, prescale, 1.0, h.global_process_set))
 
-        return self._start("d", "grouped allreduce", launch)
+        sizes = [int(o.numel()) for o in outputs]
+        key = f".{str(outputs[0].dtype).removeprefix('torch.')}.{len(sizes)}.{_crc(sizes)}"
+        return self._start("grouped", f".x{prescale!r}", key, "grouped allreduce", launch)
 
     half_codes = frozenset({DTYPE_CODES["float16"]})  # Horovod sums float16 itself
 
@@ -254,17 +375,19 @@ class HorovodChannel:
         import torch
 
         t = _tensor(data.view(np.int16)).view(torch.float16)
-        return self._start("d", "allreduce", lambda h, n: h.allreduce_async_(
-            t, name=n, op=h.Sum))
+        return self._start("allreduce", ".sum", f".float16.{data.size}", "allreduce",
+                           lambda h, n: h.allreduce_async_(t, name=n, op=h.Sum))
 
     def ibcast(self, buf: Array, root: int) -> Request:
         t = _tensor(_raw(buf))
-        return self._start("d", "broadcast", lambda h, n: h.broadcast_async_(t, root, name=n))
+        return self._start("broadcast", "", "", "broadcast",
+                           lambda h, n: h.broadcast_async_(t, root, name=n))
 
     def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
         """Horovod gathers dim 0 of any length; `counts` was agreed in the headers."""
         t = _tensor(_raw(send))
-        return self._start("d", "allgather", lambda h, n: h.allgather_async(t, name=n),
+        return self._start("allgather", "", f".{send.dtype}.{_crc(counts)}", "allgather",
+                           lambda h, n: h.allgather_async(t, name=n),
                            lambda out: _copy_into(_raw(recv), out))
 
     def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
@@ -277,8 +400,9 @@ class HorovodChannel:
         if width is None or op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
             return self._reduce_then_slice(send, recv, counts, op)
         t = _tensor(_reducible(send, copy=False).reshape(-1, width))
-        return self._start("d", "reducescatter", lambda h, n: h.reducescatter_async(
-            t, name=n, op=h.Sum), lambda out: _copy_into(recv, out))
+        return self._start("reducescatter", "", "", "reducescatter",
+                           lambda h, n: h.reducescatter_async(t, name=n, op=h.Sum),
+                           lambda out: _copy_into(recv, out))
 
     def _reduce_then_slice(self, send: Array, recv: Array, counts: list[int],
                            op: ReduceOp) -> Request:
@@ -286,8 +410,10 @@ class HorovodChannel:
         start = sum(counts[: self.rank])
         mine, out = full[start: start + counts[self.rank]], recv.reshape(-1)
         t = _tensor(full)
-        return self._start("d", "allreduce(reduce_scatter)", lambda h, n: h.allreduce_async_(
-            t, name=n, op=_hvd_op(op)), lambda _: np.copyto(out, mine, casting="unsafe"))
+        return self._start("allreduce", f".{op.name.lower()}", f".{full.dtype}.{full.size}",
+                           "allreduce(reduce_scatter)",
+                           lambda h, n: h.allreduce_async_(t, name=n, op=_hvd_op(op)),
+                           lambda _: np.copyto(out, mine, casting="unsafe"))
 
     def ialltoall(self, send: Array, recv: Array) -> Request:
         """Equal blocks (the split counts of `alltoall`): MPI, or the TCP mesh as an
@@ -303,8 +429,9 @@ class HorovodChannel:
     def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
                    rcounts: list[int]) -> Request:
         t, splits = _tensor(_raw(send)), [c * send.itemsize for c in scounts]
-        return self._start("d", "alltoall", lambda h, n: h.alltoall_async(
-            t, splits=splits, name=n), lambda out: _copy_into(_raw(recv), out[0]))
+        return self._start("alltoall", "", f".{send.dtype}", "alltoall",
+                           lambda h, n: h.alltoall_async(t, splits=splits, name=n),
+                           lambda out: _copy_into(_raw(recv), out[0]))
 
     def bulk_view(self) -> None:
         """None: Horovod's background thread moves bulk data; the engine's
@@ -450,6 +577,11 @@ class HorovodBackend:
                 self._mesh(hvd, secret, host, "heartbeat"))
         self._channels: list[HorovodChannel] = []
         self._ports = itertools.count()  # mailbox channel ids: never reused after a close
+
+    @property
+    def thread_level(self) -> int | None:
+        """MPI's thread level where Horovod runs its MPI controller (None under Gloo)."""
+        return None if self._mpi is None else self._mpi.thread_level
 
     def _mesh(self, hvd: Any, secret: bytes, host: str, what: str) -> Mailbox:
         """A TCP mesh between the ranks (no MPI world) that only holders of `secret` join;
