@@ -504,8 +504,12 @@ def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,
     if transport is None or transport.pipeline is None or transport.arena is None:
         raise RuntimeError("shard_optimizer=True: not every rank could use the shared-"
                            "memory window, so the optimizer cannot be sharded")
-    shards = Shards(transport.arena.node, optimizer, base, reducer.registry, reducer.plan,
-                    reducer.storage.flat)
+    node, plan, flat = transport.arena.node, reducer.plan, reducer.storage.flat
+    # its window is made as an agreed call on the gradient lane (`engine.making`), on the
+    # lane's wait thread while this thread waits for it
+    shards: Shards = reducer.loop.run(partial(
+        making.make, reducer.coord.engine, reducer.grad_lane, "shard window",
+        lambda: Shards(node, optimizer, base, reducer.registry, plan, flat)))
     shards.switch()
     transport.pipeline.shard = shards
     return shards
