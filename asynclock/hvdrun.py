@@ -45,13 +45,11 @@ def controller_env(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str,
     """
     if "--gloo" in argv or horovod_kind() != "system":
         return {}
-    from .launch import load_mpi_select
+    from ._tools import mpi_select
 
-    sel = load_mpi_select()
-    if sel is None or not sel.available().get("system"):
+    if not mpi_select.available().get("system"):
         return {}
-    env: dict[str, str] = sel.env_vars("system", environ)
-    return env
+    return mpi_select.env_vars("system", environ)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,13 +6,13 @@
     asynclock-launch --elastic --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh train.py
 
 Why a launcher of our own: the two MPIs on a machine must never be mixed
-(mpi/mpi_select.py hands out launcher and environment together); Horovod,
-Slurm and plain MPI spell ranks, hosts and output tags differently; and a
-hung job must die as a whole. So this module picks the runner (`srun` under
-Slurm, `horovodrun` on request, else the project's MPI), forwards the
-environment, kills the whole process group on `--timeout`, returns non-zero
-when any rank failed, and merges `--timeline` files at the end, even after
-a failure.
+(`_tools.mpi_select`, the kit's `mpi/mpi_select.py`, hands out launcher and
+environment together); Horovod, Slurm and plain MPI spell ranks, hosts and
+output tags differently; and a hung job must die as a whole. So this module
+picks the runner (`srun` under Slurm, `horovodrun` on request, else the
+project's MPI), forwards the environment, kills the whole process group on
+`--timeout`, returns non-zero when any rank failed, and merges `--timeline`
+files at the end, even after a failure.
 
 Each rank starts behind `asynclock/_tools/rank_output.py`, which tags whole output
 lines `[r] line` (the runners' own tags split lines) and announces a rank
@@ -32,8 +32,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
+from ._tools import mpi_select
 from ._tools.rank_output import env_rank as env_rank  # re-exported: the launchers' rank variables
 from ._tools.rank_output import env_size as env_size
 from ._tools.rank_output import trampoline
@@ -53,25 +53,15 @@ _HOST_FLAGS = {"hydra": ("-hosts", "-f"), "openmpi": ("--host", "--hostfile"),
                "horovodrun": ("-H", "--hostfile"), "srun": ("--nodelist", "--nodelist")}
 
 
-# -- finding the project's MPI selector ----------------------------------------------
-def load_mpi_select() -> ModuleType | None:
-    """Import mpi/mpi_select.py by file path (never via sys.path: mpi/select.py shadows
-    the stdlib `select`). ASYNCLOCK_MPI_SELECT overrides the location."""
-    import importlib.util
-
-    forced = os.environ.get("ASYNCLOCK_MPI_SELECT")
-    path = Path(forced) if forced else Path(__file__).resolve().parents[1] / "mpi" / "mpi_select.py"
-    if not path.is_file():
+# -- the project's MPIs -----------------------------------------------------------------
+def kit_environ(kind: str) -> dict[str, str] | None:
+    """The environment for the project's MPI `kind` (`_tools.mpi_select`), or None where
+    `auto` finds none of the project's MPIs here (an installed wheel beside an MPI of
+    the user's own: the caller then takes that one from PATH). An MPI asked for by
+    name and missing raises, naming what to install."""
+    if kind == "auto" and not mpi_select.describe(kind)["available"]:
         return None
-    if "mpi_select" in sys.modules:
-        return sys.modules["mpi_select"]
-    spec = importlib.util.spec_from_file_location("mpi_select", path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mpi_select"] = module
-    spec.loader.exec_module(module)
-    return module
+    return mpi_select.environ_for(kind)
 
 
 # -- the plan: argv and environment ----------------------------------------------------
@@ -215,10 +205,10 @@ def _forward_flags(env: Mapping[str, str], extra: list[str], argv: list[str]) ->
 
 def _mpi_plan(args: argparse.Namespace, kind: str, n: int) -> Plan:
     """The project's MPI via mpi_select; else the `mpiexec` on PATH."""
-    sel = load_mpi_select()
-    if sel is not None:
-        env, style = sel.environ_for(kind), sel.describe(kind)["vendor"]
-        argv, runner = list(sel.launcher(kind, n)), sel.resolve(kind)
+    kit = kit_environ(kind)
+    if kit is not None:
+        env, style = kit, mpi_select.describe(kind)["vendor"]
+        argv, runner = mpi_select.launcher(kind, n), mpi_select.resolve(kind)
     else:
         env, runner = dict(os.environ), "mpiexec"
         exe = shutil.which("mpiexec", path=env.get("PATH")) or "mpiexec"
@@ -245,10 +235,10 @@ def _is_open_mpi(exe: str, env: Mapping[str, str]) -> bool:
 
 def _horovodrun_plan(args: argparse.Namespace, n: int) -> Plan:
     """horovodrun: its MPI controller needs Open MPI's mpirun on PATH; --gloo needs none."""
-    sel = load_mpi_select()
     gloo = args.gloo or args.elastic  # Horovod's elastic driver runs Gloo only
-    use_mpi = not gloo and sel is not None and bool(sel.available().get("system"))
-    env = sel.environ_for("system" if use_mpi else args.mpi or "auto") if sel else dict(os.environ)
+    use_mpi = not gloo and bool(mpi_select.available().get("system"))
+    kit = kit_environ("system" if use_mpi else args.mpi or "auto")
+    env = kit if kit is not None else dict(os.environ)
     _apply_user_env(args, env)
     exe = Path(sys.executable).with_name("horovodrun")
     runner = str(exe) if exe.exists() else shutil.which("horovodrun", path=env.get("PATH"))
@@ -278,13 +268,13 @@ def _names_srun_plugin(launcher_args: Sequence[str]) -> bool:
 def _srun_plan(args: argparse.Namespace, n: int | None) -> Plan:
     """srun: Slurm wires up PMI. `--mpi KIND` also picks the libmpi mpi4py loads and,
     unless `--launcher-arg=--mpi=...` names one, the srun plugin that MPI answers to."""
-    sel = load_mpi_select() if args.mpi else None
-    env = sel.environ_for(args.mpi) if sel is not None else dict(os.environ)
+    kit = kit_environ(args.mpi) if args.mpi else None
+    env = kit if kit is not None else dict(os.environ)
     _apply_user_env(args, env)
     plan = Plan("srun", [], env)
     argv = ["srun", "--kill-on-bad-exit=1"] + (["-n", str(n)] if n is not None else [])
-    if sel is not None and not _names_srun_plugin(args.launcher_arg):
-        argv.append(f"--mpi={SRUN_PLUGINS[sel.describe(args.mpi)['vendor']]}")
+    if kit is not None and not _names_srun_plugin(args.launcher_arg):
+        argv.append(f"--mpi={SRUN_PLUGINS[mpi_select.describe(args.mpi)['vendor']]}")
     plan.argv = argv + _host_args(args, "srun", plan) + args.launcher_arg + program_argv(args)
     return plan
 

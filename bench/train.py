@@ -1,8 +1,8 @@
 """Training throughput per rank: compute only, naive, Horovod, DDP and asynclock, same run.
 
 Run: mpiexec -n 2 python bench/train.py [--json PATH] [--models mlp,cnn]
-     (Horovod needs its MPI: eval "$(python3 mpi/select.py env system)" and
-      $(python3 mpi/select.py launcher system -n 2) python bench/train.py)
+     (Horovod needs its MPI: eval "$(python3 mpi/mpi_select.py env system)" and
+      $(python3 mpi/mpi_select.py launcher system -n 2) python bench/train.py)
 
 Every method trains its own copy of the same model (same init, same data,
 SGD with momentum, one torch thread per rank) in the same job. Methods take
@@ -196,7 +196,7 @@ def _load_horovod() -> Any:
     """Horovod shares our MPI world only if it was built for this MPI (Open MPI here)."""
     if "Open MPI" not in MPI.Get_library_version():
         raise RuntimeError("Horovod is built against the system Open MPI, and this job runs "
-                           "on another MPI; launch with mpi/select.py's system launcher")
+                           "on another MPI; launch with mpi/mpi_select.py's system launcher")
     import horovod.torch as hvd
 
     hvd.init(comm=WORLD)

@@ -6,7 +6,7 @@
 #   HOSTS=node01:4,node02:4 bash launch/horovodrun.sh gloo 8 train.py
 #
 # Why two modes: horovodrun's MPI controller runs `mpirun` and needs Open MPI
-# (Debian's, via mpi/select.py env system: mpirun and libmpi.so.40 together);
+# (Debian's, via mpi/mpi_select.py env system: mpirun and libmpi.so.40 together);
 # the Gloo controller needs no MPI launcher at all and works with either MPI
 # (mpi4py inside the ranks then sees one singleton rank; asynclock picks its
 # Horovod backend there, and its MPI backend under the MPI controller, where
@@ -23,7 +23,7 @@ hosts=()
 if [ -n "${HOSTS:-}" ]; then hosts=(-H "$HOSTS"); fi
 case "$mode" in
   mpi)
-    eval "$("$PY" mpi/select.py env system)"
+    eval "$("$PY" mpi/mpi_select.py env system)"
     exec "$PWD/.venv/bin/horovodrun" --mpi -np "$n" "${hosts[@]}" "$PY" "$@" ;;
   gloo)
     exec "$PWD/.venv/bin/horovodrun" --gloo -np "$n" "${hosts[@]}" "$PY" "$@" ;;

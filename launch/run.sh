@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 n=$1; shift
 kind=${ASYNCLOCK_MPI:-auto}
-eval "$(.venv/bin/python mpi/select.py env "$kind")"
-read -r -a prefix <<< "$(.venv/bin/python mpi/select.py launcher "$kind" -n "$n")"
+eval "$(.venv/bin/python mpi/mpi_select.py env "$kind")"
+read -r -a prefix <<< "$(.venv/bin/python mpi/mpi_select.py launcher "$kind" -n "$n")"
 exec "${prefix[@]}" "$PWD/.venv/bin/python" "$@"

@@ -43,4 +43,4 @@ here=$(pwd -P)
 # The C small-message round, per MPI (seconds; without a compiler the Python path runs).
 "$VPY" mpi/build_fastpath.py || log "C small-message path not built: the Python path runs"
 if [ "${ASYNCLOCK_SETUP_HOROVOD:-0}" = 1 ]; then "$VPY" mpi/build_horovod.py; fi
-log "ready: $("$VPY" mpi/select.py describe 2>/dev/null | head -1 || echo 'MPI kit not found')"
+log "ready: $("$VPY" mpi/mpi_select.py describe 2>/dev/null | head -1 || echo 'MPI kit not found')"

@@ -19,27 +19,23 @@ recognises Open MPI here.  Run mpi/install_system_mpi.sh first.
 """
 from __future__ import annotations
 
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
+import time
+import zipfile
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-# mpi/select.py shadows the stdlib `select` (subprocess imports it): keep the
-# stdlib first on sys.path, mpi/ last (for mpi_select).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tarfile  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import zipfile  # noqa: E402
-
+sys.path.insert(0, str(_HERE))  # mpi_select, the kit's selector
 import mpi_select  # noqa: E402
 
 HOROVOD_VERSION = "0.28.1"

@@ -13,7 +13,7 @@ NP="${2:-2}"
 ITERS="${3:-1000}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SMOKE="$HERE/hvd_smoke.py"
-eval "$(python3 "$HERE/select.py" env "$KIND")" || exit 1
+eval "$(python3 "$HERE/mpi_select.py" env "$KIND")" || exit 1
 PY="$(command -v python)"
 FAILS=0
 
@@ -40,14 +40,14 @@ if [[ "$ASYNCLOCK_MPI" == "system" ]]; then
         horovodrun --mpi -np 3 "$PY" "$SMOKE" allreduce
 fi
 step "(b) horovodrun --gloo, -np $NP" horovodrun --gloo -np "$NP" "$PY" "$SMOKE" allreduce
-step "(c) plain launcher, -np $NP" $(python3 "$HERE/select.py" launcher "$KIND" -n "$NP") \
+step "(c) plain launcher, -np $NP" $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n "$NP") \
     "$PY" "$SMOKE" allreduce
-step "(c') plain launcher, -np 3" $(python3 "$HERE/select.py" launcher "$KIND" -n 3) \
+step "(c') plain launcher, -np 3" $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n 3) \
     "$PY" "$SMOKE" allreduce
 step "(d) mpi4py owns MPI_Init, hvd.init(comm=MPI.COMM_WORLD)" \
-    $(python3 "$HERE/select.py" launcher "$KIND" -n "$NP") "$PY" "$SMOKE" mpi4py
+    $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n "$NP") "$PY" "$SMOKE" mpi4py
 step "(d') hvd.init(comm=MPI.COMM_WORLD.Dup())" \
-    $(python3 "$HERE/select.py" launcher "$KIND" -n "$NP") "$PY" "$SMOKE" mpi4py-dup
+    $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n "$NP") "$PY" "$SMOKE" mpi4py-dup
 
 echo; echo "=== start-up: launcher + import + hvd.init + shutdown (no work)"
 INIT='import horovod.torch as hvd; hvd.init(); hvd.shutdown()'
@@ -55,13 +55,13 @@ if [[ "$ASYNCLOCK_MPI" == "system" ]]; then
     step "start-up horovodrun --mpi" horovodrun --mpi -np "$NP" "$PY" -c "$INIT"
 fi
 step "start-up horovodrun --gloo" horovodrun --gloo -np "$NP" "$PY" -c "$INIT"
-step "start-up plain launcher" $(python3 "$HERE/select.py" launcher "$KIND" -n "$NP") "$PY" -c "$INIT"
+step "start-up plain launcher" $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n "$NP") "$PY" -c "$INIT"
 
 if [[ "$ASYNCLOCK_MPI" == "system" ]]; then
     step "latency horovodrun --mpi" horovodrun --mpi -np "$NP" "$PY" "$SMOKE" latency "$ITERS"
 fi
 step "latency horovodrun --gloo" horovodrun --gloo -np "$NP" "$PY" "$SMOKE" latency "$ITERS"
-step "latency plain launcher" $(python3 "$HERE/select.py" launcher "$KIND" -n "$NP") \
+step "latency plain launcher" $(python3 "$HERE/mpi_select.py" launcher "$KIND" -n "$NP") \
     "$PY" "$SMOKE" latency "$ITERS"
 
 echo; echo "demo_horovod: $FAILS step(s) failed"

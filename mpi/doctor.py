@@ -4,7 +4,7 @@
 Why: most MPI failures here are silent mismatches -- mpi4py loading MPICH
 while ranks were started by Open MPI's mpirun (N singletons), or Horovod
 linked against one libmpi while mpi4py loaded another.  The doctor runs the
-same probes under the environment mpi/select.py would hand out, so what it
+same probes under the environment mpi/mpi_select.py would hand out, so what it
 prints is what a launched rank sees.  It never fails because something is
 missing; it says "not installed" instead.
 
@@ -14,21 +14,17 @@ Usage::
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-# mpi/select.py shadows the stdlib `select` (subprocess imports it): keep the
-# stdlib first on sys.path, mpi/ last (for mpi_select).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-from typing import Any  # noqa: E402
-
+sys.path.insert(0, str(_HERE))  # mpi_select, the kit's selector
 import mpi_select  # noqa: E402
 
 TIMEOUT_S = 120
@@ -242,7 +238,7 @@ def render(rep: Report) -> str:
     lines += _render_horovod(hvd)
     lines += [f"WARNING: {w}" for w in rep.get("warnings", [])]
     if rep.get("env"):
-        lines.append("env (eval \"$(python3 mpi/select.py env " + sel.get("kind", "") + ")\"):")
+        lines.append("env (eval \"$(python3 mpi/mpi_select.py env " + sel.get("kind", "") + ")\"):")
         lines += [f"  {k}={v}" for k, v in sorted(rep["env"].items()) if k != "PATH"]
     return "\n".join(lines)
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
-sys.path.insert(0, str(ROOT / "mpi"))
-import mpi_select  # noqa: E402
+from asynclock._tools import mpi_select  # noqa: E402
 
 MPI_KIND = os.environ.get("ASYNCLOCK_TEST_MPI", "auto")
 DEFAULT_KIND = mpi_select.resolve(MPI_KIND)

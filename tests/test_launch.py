@@ -5,29 +5,20 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from mpijob import PROGRAMS, ROOT, processes_with
 
 from asynclock import jobwatch, launch
-from asynclock._tools import rank_output
+from asynclock._tools import mpi_select, rank_output
 
-
-def _mpi_select() -> ModuleType:
-    """The same module tests/mpijob.py imports (found relative to the package)."""
-    module = launch.load_mpi_select()
-    assert module is not None, "mpi/mpi_select.py not found next to the package"
-    return module
-
-
-mpi_select = _mpi_select()
 KINDS = [k for k, ok in mpi_select.available().items() if ok]
 HELLO = str(PROGRAMS / "launch_hello.py")
 HVD = str(PROGRAMS / "launch_hvd.py")
@@ -82,6 +73,25 @@ def test_srun_gets_the_plugin_of_the_chosen_mpi(kind: str) -> None:
     named = dry("--runner", "srun", "--mpi", kind, "--launcher-arg=--mpi=cray_shasta", "x.py")
     assert [a for a in named if a.startswith("--mpi")] == ["--mpi=cray_shasta"]
     assert not any(a.startswith("--mpi") for a in dry("--runner", "srun", "x.py"))
+
+
+def test_launcher_plans_the_projects_mpi_without_the_repository(tmp_path: Path) -> None:
+    """From an installed wheel there is no mpi/ folder: the selector the launcher takes
+    is the package's own (`_tools.mpi_select`), so a copy of the package alone, away
+    from the repository, still plans a job on the project's MPI."""
+    shutil.copytree(ROOT / "asynclock", tmp_path / "asynclock",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    code = ("import sys; from asynclock import launch; "
+            "print(launch.__file__); print(launch.mpi_select.__file__); "
+            "sys.exit(launch.main(['--dry-run', '-n', '2', '--no-prefix', 'x.py']))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, explain(done)
+    where, selector, command = done.stdout.strip().splitlines()
+    assert Path(where).is_relative_to(tmp_path) and Path(selector).is_relative_to(tmp_path)
+    argv, prefix = shlex.split(command), mpi_select.launcher("auto", 2)
+    assert argv[:len(prefix)] == prefix and argv[-2:] == [sys.executable, "x.py"], argv
 
 
 def test_hostfile_is_converted_for_each_runner(tmp_path: Path) -> None:

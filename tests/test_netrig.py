@@ -27,9 +27,9 @@ import pytest
 from mpijob import DEFAULT_KIND, OTHER_KINDS, PROGRAMS, horovodrun_missing
 
 from asynclock._core.runtime.exits import EXIT_RANK_FAILED
+from asynclock._tools import mpi_select
 
 sys.path.insert(0, str(PROGRAMS))
-import mpi_select  # noqa: E402  (mpi/, put on sys.path by mpijob)
 import netrig_rig  # noqa: E402  (tests/programs/netrig_rig.py: rig control)
 from netrig_live import LiveJob, rank_pids, untag, wait_gone  # noqa: E402
 

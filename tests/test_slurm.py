@@ -15,13 +15,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import slurm_cluster
 from mpijob import DEFAULT_KIND, PROGRAMS, ROOT, Job, processes_with
 
-from asynclock.launch import SRUN_PLUGINS, load_mpi_select
+from asynclock._tools import mpi_select
+from asynclock.launch import SRUN_PLUGINS
 
 pytestmark = pytest.mark.mpi
 
@@ -29,16 +29,6 @@ PROGRAM = str(PROGRAMS / "slurm_job.py")
 JOB_S = 90  # any one job; a hang fails with the job's output instead of holding CI
 CANCEL_S = 20  # scancel to the last process gone: KillWait (5 s) and a margin
 VENDOR = {"system": "OpenMPI", "embedded": "MPICH"}  # as mpi4py's get_vendor() spells it
-
-
-def _mpi_select() -> ModuleType:
-    """The module tests/mpijob.py imports (found relative to the package)."""
-    module = load_mpi_select()
-    assert module is not None, "mpi/mpi_select.py not found next to the package"
-    return module
-
-
-mpi_select = _mpi_select()
 KINDS = [k for k, ok in mpi_select.available().items() if ok]
 
 

@@ -31,10 +31,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from netrig_live import LiveJob, cmdline, wait_gone
+
+from asynclock._tools import mpi_select
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "mpi"))
-import mpi_select  # noqa: E402
-from netrig_live import LiveJob, cmdline, wait_gone  # noqa: E402
 
 SUBNET = "10.77.0.0/24"  # netrig's hosts
 SSH_SHIM = """#!/bin/sh

@@ -139,8 +139,6 @@ DECLARED: tuple[Setting, ...] = (
     # -- the launcher and the MPI kit ---------------------------------------------------------
     _s("MPI", "text", "auto", "Which MPI the kit and `asynclock-launch` use.", scope=LAUNCH,
        choices=("auto", "embedded", "system")),
-    _s("MPI_SELECT", "path", "", "Where `asynclock-launch` finds mpi/mpi_select.py.",
-       scope=LAUNCH),
     _s("VENV", "path", "", "The virtual environment whose MPI the kit describes.",
        scope=LAUNCH),
     _s("CACHE", "path", "~/.cache/asynclock", "Build cache (Open MPI shims, Horovod, the C "

@@ -100,5 +100,5 @@ def check_mpi4py(built: MPIName | None, library_version: str) -> None:
     raise BackendError(
         f"the Horovod backend cannot run here: Horovod is built for {built}, but mpi4py "
         f"loaded {library_version.splitlines()[0].strip()}; the two cannot share a world. "
-        f"Set MPI4PY_LIBMPI to {built.vendor}'s libmpi (mpi/select.py env) or use "
+        f"Set MPI4PY_LIBMPI to {built.vendor}'s libmpi (mpi/mpi_select.py env) or use "
         f"backend='mpi'")
