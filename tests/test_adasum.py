@@ -16,6 +16,7 @@ def test_adasum_matches_the_reference_tree(nranks: int) -> None:
     job = run_job("adasum.py", nranks, timeout=180)
     assert_all_ok(job, nranks)
     assert job.ok_lines("adasum") == set(range(nranks)), job.explain()
+    assert job.ok_lines("names") == set(range(nranks)), job.explain()
     assert job.ok_lines("ints") == set(range(nranks)), job.explain()
 
 

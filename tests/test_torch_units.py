@@ -115,6 +115,18 @@ def test_options_scales_and_validation() -> None:
     assert ReduceOptions(stall_s=1).fingerprint() == ReduceOptions(stall_s=9).fingerprint()
 
 
+def test_gradient_buckets_refuse_adasum_naming_its_optimizer() -> None:
+    """Adasum combines optimizer steps (`DistributedOptimizer(op=Adasum)`), not buckets:
+    a train step asked for it says so instead of reaching a transport without it."""
+    from asynclock.torch._grad.options import build_options
+
+    model = torch.nn.Linear(2, 2)
+    reg = ParamRegistry(torch.optim.SGD(model.parameters(), lr=0.1).param_groups)
+    for op in (ReduceOp.ADASUM, "Adasum"):
+        with pytest.raises(ValueError, match=r"DistributedOptimizer\(optimizer, op=hvd.Adasum\)"):
+            build_options(reg, op=op)
+
+
 def test_registry_validates_named_parameters_like_horovod() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[1].bias.requires_grad_(False)

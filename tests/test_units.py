@@ -112,6 +112,40 @@ def test_reduce_op_aliases() -> None:
         as_reduce_op("median")
 
 
+def test_adasum_is_a_reduce_op_by_member_code_or_name() -> None:
+    from asynclock._core.base.ops import Adasum, is_adasum
+
+    for name in ("Adasum", "adasum", "ADASUM"):
+        assert as_reduce_op(name) is ReduceOp.ADASUM is Adasum
+        assert is_adasum(name)
+    assert as_reduce_op(int(Adasum)) is Adasum and is_adasum(Adasum) and is_adasum(6)
+    assert not any(is_adasum(op) for op in ("sum", ReduceOp.SUM, None, "median", 6.0))
+
+
+def test_adasum_in_the_async_api_is_refused_on_every_rank_with_its_remedy() -> None:
+    """No header carries Adasum: the async API's allreduce and reduce_scatter refuse it
+    as bad input (the other ranks hear of it), naming `adasum()`, which computes it."""
+    import anyio
+
+    from asynclock._core.runtime.coordinator import Coordinator, make_backend
+
+    async def main() -> None:
+        coord = Coordinator(make_backend("local"))
+        async with coord.running():
+            for call in (coord.allreduce, coord.allreduce_):
+                for op in (ReduceOp.ADASUM, "Adasum"):
+                    with pytest.raises(InputRejected, match=r"adasum\(tensor\)"):
+                        await call(np.ones(2, np.float32), op)
+            with pytest.raises(InputRejected, match=r"adasum\(tensor\)"):
+                await coord.reduce_scatter(np.ones(2, np.float32), "adasum")
+            t = np.arange(4, dtype=np.float32)
+            assert np.array_equal(await coord.adasum(t), t)  # one rank: its own tensor
+            assert np.array_equal(await coord.allreduce(t, "sum"), t)  # the lane goes on
+        coord.shutdown()
+
+    anyio.run(main)
+
+
 def test_ring_chunk_bounds_cover_every_element_once() -> None:
     from asynclock._core.transports.ring import chunk_bounds
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._core.base.ops import Average, Max, Min, Product, ReduceOp, Sum
+from .._core.base.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .._core.runtime import coordinator as runtime
 from .._core.runtime.coordinator import (
     cross_rank,
@@ -100,8 +100,6 @@ from ._hvd.process_sets import (
     setup_at_init,
 )
 from ._hvd.sync_batch_norm import SyncBatchNorm
-
-Adasum = "adasum"  # hvd.allreduce(op=Adasum) and DistributedOptimizer(op=Adasum) (base.adasum)
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

@@ -71,6 +71,23 @@ def check_refused(rank: int, size: int) -> None:
     report(rank, "refused")
 
 
+def check_names(rank: int) -> None:
+    """`hvd.Adasum` is a ReduceOp member as the other ops are; the names "Adasum" and
+    "adasum" name the same op wherever an op is taken."""
+    from asynclock._core.base.ops import ReduceOp
+
+    assert hvd.Adasum is ReduceOp.ADASUM, hvd.Adasum
+    g = torch.Generator().manual_seed(11 + rank)
+    a, b = torch.randn(5, generator=g), torch.randn(3, generator=g)
+    expect(a, hvd.allreduce(a, op="Adasum", name="ada.name"), "op='Adasum'")
+    expect(a, hvd.synchronize(hvd.allreduce_async(a, op="adasum", name="ada.name_async")),
+           "op='adasum', async")
+    ga, gb = hvd.grouped_allreduce([a, b], op="Adasum", name="ada.name_group")
+    expect(a, ga, "grouped op='Adasum'[0]")
+    expect(b, gb, "grouped op='Adasum'[1]")
+    report(rank, "names")
+
+
 def check_ints(rank: int) -> None:
     from asynclock._core.base.errors import InvalidInputError
 
@@ -113,6 +130,7 @@ def main() -> None:
     else:
         check_values(rank)
         if "--horovod" not in sys.argv:
+            check_names(rank)
             check_ints(rank)
     report(rank, "done")
     hvd.shutdown()

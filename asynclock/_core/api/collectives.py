@@ -75,9 +75,14 @@ class Collectives:
 
     def _reduce_op(self, op: ReduceOp | str, name: str | None,
                    kind: Kind = Kind.ALLREDUCE) -> ReduceOp:
-        """An unknown op name is bad input: the other ranks hear of it and fail too."""
+        """An unknown op name is bad input: the other ranks hear of it and fail too. So is
+        Adasum, which no header carries (`adasum()` computes it)."""
         try:
-            return as_reduce_op(op)
+            rop = as_reduce_op(op)
+            if rop is ReduceOp.ADASUM:
+                raise ValueError("Adasum is no elementwise reduction: adasum(tensor) "
+                                 "computes it from every rank's tensor")
+            return rop
         except ValueError as exc:
             self._check_open()
             self._announce_fault(kind, name, InputFault.BAD_ARGUMENT)

@@ -12,13 +12,18 @@ import numpy as np
 
 
 class ReduceOp(enum.IntEnum):
-    """Reduction applied by `allreduce` and `reduce_scatter` (Horovod names)."""
+    """Reduction applied by `allreduce` and `reduce_scatter` (Horovod names).
+
+    `ADASUM` is Horovod's adaptive summation (`base.adasum`): it is no elementwise
+    reduction, so no header carries it and no transport applies it; the Horovod API
+    computes it from an allgather, and the async API's `adasum()` does."""
 
     SUM = 1
     AVERAGE = 2
     MIN = 3
     MAX = 4
     PRODUCT = 5
+    ADASUM = 6
 
 
 Sum = ReduceOp.SUM
@@ -26,13 +31,18 @@ Average = ReduceOp.AVERAGE
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+# What an allreduce applies element by element: every op but Adasum.
+ELEMENTWISE_OPS = (Sum, Average, Min, Max, Product)
 
 _OP_ALIASES = {"sum": Sum, "average": Average, "avg": Average, "mean": Average,
-               "min": Min, "max": Max, "product": Product, "prod": Product}
+               "min": Min, "max": Max, "product": Product, "prod": Product,
+               "adasum": Adasum}
 
 
 def as_reduce_op(op: ReduceOp | str | int) -> ReduceOp:
-    """Accept `asynclock.Sum`, `"sum"` or the code, so Horovod code ports as is."""
+    """Accept `asynclock.Sum`, `"sum"` or the code, so Horovod code ports as is
+    (`"Adasum"` too: Horovod scripts name the op either way)."""
     if isinstance(op, str):
         try:
             return _OP_ALIASES[op.lower()]
@@ -40,6 +50,14 @@ def as_reduce_op(op: ReduceOp | str | int) -> ReduceOp:
             known = sorted(_OP_ALIASES)
             raise ValueError(f"unknown reduce op {op!r}; use one of {known}") from None
     return ReduceOp(int(op))
+
+
+def is_adasum(op: object) -> bool:
+    """Whether `op` names Adasum (the member, its code or its name, any case); anything
+    else, valid or not, is left to `as_reduce_op` to take or refuse."""
+    if isinstance(op, str):
+        return op.lower() == "adasum"
+    return isinstance(op, int) and op == ReduceOp.ADASUM
 
 
 class Kind(enum.IntEnum):

@@ -398,6 +398,8 @@ class SmallCalls:
             rop = as_reduce_op(op)
         except ValueError:
             return None  # the general path announces the fault and raises
+        if rop is ReduceOp.ADASUM:
+            return None  # as for a bad op: the general path refuses it on every rank
         call = Call(Kind.ALLREDUCE, 0, op=int(rop), dtype=code, shape=tuple(shape),
                     nbytes=a.nbytes, name=name or "")
         lane = self._lane

@@ -92,8 +92,12 @@ def build_options(registry: ParamRegistry, *, op: Any = ReduceOp.AVERAGE,
     caps = Caps(int(tuning.bucket_cap_mb * MiB), int(tuning.first_bucket_mb * MiB),
                 tuning.partition)
     priority = gated if tuning.priority is None else tuning.priority
+    rop = as_reduce_op(op)
+    if rop is ReduceOp.ADASUM:  # buckets reduce elementwise; Adasum combines whole steps
+        raise ValueError("op=Adasum combines optimizer steps, not gradient buckets: "
+                         "use hvd.DistributedOptimizer(optimizer, op=hvd.Adasum)")
     return ReduceOptions(
-        op=as_reduce_op(op), predivide=float(gradient_predivide_factor),
+        op=rop, predivide=float(gradient_predivide_factor),
         wire_dtype=wire_dtype(compression), passes=int(backward_passes_per_step), caps=caps,
         window_bytes=max(1, int(tuning.window_mb * MiB)), groups=split_groups(registry, groups),
         replan=tuning.replan, priority=priority, shm=tuning.shm, stall_s=tuning.stall_s,

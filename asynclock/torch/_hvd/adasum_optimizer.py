@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from ..._core.base.ops import ReduceOp
 from .._grad.compression import Compression
-from .mpi_ops import ADASUM, grouped_allreduce
+from .mpi_ops import grouped_allreduce
 
 
 class _AdasumOptimizer(torch.optim.Optimizer):
@@ -37,7 +38,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         starts = [p.detach().clone() for p in params]
         loss = self._base_class.step(self, closure)
         changes = [p.detach() - start for p, start in zip(params, starts, strict=True)]
-        combined = grouped_allreduce(changes, op=ADASUM, name="adasum.step",
+        combined = grouped_allreduce(changes, op=ReduceOp.ADASUM, name="adasum.step",
                                      compression=self._compression)
         with torch.no_grad():
             for p, start, change in zip(params, starts, combined, strict=True):

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from ..._core.base.ops import ReduceOp, as_reduce_op
+from ..._core.base.ops import ReduceOp, as_reduce_op, is_adasum
 from ..._core.runtime import coordinator as runtime
 from .._grad.compression import Compression
 from . import mpi_ops
-from .mpi_ops import ADASUM
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -254,7 +253,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 # -- reducescatter ----------------------------------------------------------------------
 def _check_scatter_op(op: Any) -> None:
-    if isinstance(op, str) and op.lower() == ADASUM:
+    if is_adasum(op):
         raise RuntimeError("reducescatter does not support Adasum (as in Horovod)")
 
 

@@ -25,7 +25,7 @@ import torch
 from ... import timeline
 from ..._core.base import adasum
 from ..._core.base.errors import AsynclockError
-from ..._core.base.ops import ReduceOp, as_reduce_op
+from ..._core.base.ops import ReduceOp, as_reduce_op, is_adasum
 from ..._core.base.tensors import InputRejected
 from ..._core.engine.handle import Handle
 from ..._core.runtime import coordinator as runtime
@@ -37,9 +37,6 @@ T = TypeVar("T")
 _handles: dict[int, tuple[Any, Post]] = {}  # a Handle, or a GroupHandle
 _ids = itertools.count(1)
 _lock = threading.Lock()
-
-
-ADASUM = "adasum"  # hvd.Adasum: not an MPI op, see `start_allreduce`
 
 
 def _reduce_op(average: bool | None, op: Any) -> ReduceOp:
@@ -92,9 +89,8 @@ def synchronize(handle: int) -> Any:
 def _prepare(tensor: torch.Tensor, average: bool | None, compression: Any, op: Any,
              prescale_factor: float, postscale_factor: float
              ) -> tuple[torch.Tensor, Any, Post]:
-    """Compress and prescale a copy of `tensor`; `post` undoes both on the result.
-    The op is a ReduceOp, or ADASUM."""
-    rop = ADASUM if _is_adasum(op, average) else _reduce_op(average, op)
+    """Compress and prescale a copy of `tensor`; `post` undoes both on the result."""
+    rop = ReduceOp.ADASUM if _is_adasum(op, average) else _reduce_op(average, op)
     work, ctx = compression.compress(tensor)
     if prescale_factor != 1.0:
         work = work * prescale_factor
@@ -123,7 +119,7 @@ def start_allreduce(api: Any, work: torch.Tensor, rop: Any, name: str | None
 
     Adasum is no MPI op: its handle is an allgather of every rank's tensor, and the
     caller's thread folds the rows (`base.adasum`), identically on every rank."""
-    if rop != ADASUM:
+    if rop is not ReduceOp.ADASUM:
         return (lambda: api.allreduce_async(work, rop, name=name)), _same
     adasum.check_size(api.group_size)
     rows = work.reshape(1, *work.shape)
@@ -132,7 +128,8 @@ def start_allreduce(api: Any, work: torch.Tensor, rop: Any, name: str | None
 
 
 def _is_adasum(op: Any, average: bool | None) -> bool:
-    return isinstance(op, str) and op.lower() == ADASUM and average is None
+    """`op=Adasum` alone: with `average` too, `_reduce_op` refuses the pair."""
+    return is_adasum(op) and average is None
 
 
 def _same(x: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..._core.base.ops import ReduceOp
+from ..._core.base.ops import ReduceOp, is_adasum
 from ..._core.engine.operation import Lane
 from ..._core.runtime import coordinator as runtime
 from .._grad.apply import only, settings_of
@@ -266,7 +266,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     `shard_optimizer=True` (one node, MPI): parameters and optimizer state are kept
     once per node and each rank updates only the chunks it reduces (`shard`)."""
-    if isinstance(op, str) and op.lower() == "adasum":
+    if is_adasum(op):
         from .adasum_optimizer import adasum_optimizer
 
         return adasum_optimizer(optimizer, compression)
