@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,18 @@ def fastpath_built(kind: str = MPI_KIND) -> bool:
     return out.stdout.strip() == "True"
 
 
+def need_fastpath() -> None:
+    """Skip where the C round is not built; with ASYNCLOCK_REQUIRE_FASTPATH=1 fail instead
+    (`launch/test.sh` sets it where setup had what the build needs, so a build that broke
+    shows as a failure, not as a skip)."""
+    if fastpath_built():
+        return
+    why = "the C small-message round is not built here (mpi/build_fastpath.py)"
+    if os.environ.get("ASYNCLOCK_REQUIRE_FASTPATH") == "1":
+        pytest.fail(f"{why}, and ASYNCLOCK_REQUIRE_FASTPATH=1 requires it")
+    pytest.skip(why)
+
+
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
 @pytest.mark.parametrize("path", ["C", "python"])
 def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
@@ -114,8 +127,8 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
     broadcast, barrier),
     hands off to the engine when a rank is late, follows changed tensors, yields; the
     C round (`_fastpath.c`, when built) and the Python one alike."""
-    if path == "C" and not fastpath_built():
-        pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
+    if path == "C":
+        need_fastpath()
     job = run_job("small_calls.py", nranks, *(["--trio"] if loop == "trio" else []),
                   timeout=120, env={"ASYNCLOCK_FASTPATH": "1" if path == "C" else "0"})
     assert_all_ok(job, nranks)
@@ -133,8 +146,7 @@ def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:
 
 def test_small_allreduce_path_c_round_over_mpi() -> None:
     """`ASYNCLOCK_NODE_ROUND=0`: the C compact round over MPI, as across nodes."""
-    if not fastpath_built():
-        pytest.skip("the C small-message round is not built here (mpi/build_fastpath.py)")
+    need_fastpath()
     job = run_job("small_calls.py", 2, timeout=120, env={"ASYNCLOCK_NODE_ROUND": "0"})
     assert_all_ok(job, 2)
     assert job.ok_lines("round_c") == {0, 1}, job.explain()

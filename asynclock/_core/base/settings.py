@@ -178,6 +178,9 @@ DECLARED: tuple[Setting, ...] = (
        scope=TESTS),
     _s("REQUIRE_GPU", "flag", "0", "GPU tests fail instead of skipping without CUDA.",
        scope=TESTS),
+    _s("REQUIRE_FASTPATH", "flag", "0", "Tests of the C small-message round fail instead "
+       "of skipping where it does not load (`launch/test.sh` sets it where it can be "
+       "built).", scope=TESTS),
     _s("WHEELS", "path", "wheels/", "Wheel folder of tests/gpu/run.sh.", scope=TESTS),
     _s("GPU_BUDGET_S", "number", "450", "Seconds tests/gpu/run.sh may spend on the GPU "
        "machine.", scope=TESTS),
