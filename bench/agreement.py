@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import numpy as np
 from mpi4py import MPI
+from timing import median, per_call_async
 
 import asynclock
 from asynclock._core.base import header
@@ -39,14 +38,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     return p.parse_args()
-
-
-async def timed(fn: Callable[[], Awaitable[Any]], calls: int) -> float:
-    WORLD.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        await fn()
-    return (time.perf_counter() - t0) / calls
 
 
 async def blocking(fn: Callable[[], Any]) -> None:
@@ -83,12 +74,12 @@ async def main(args: argparse.Namespace) -> None:
         samples: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.rounds):
             for name, fn in systems.items():
-                samples[name].append(await timed(fn, args.calls))
+                samples[name].append(await per_call_async(fn, args.calls, WORLD.Barrier))
         calls = stats().calls - calls_before
         rows = None if rows_before is None else stats().rows_rounds - rows_before
         node_round = getattr(getattr(coord, "_lane", None), "node_round", None) is not None
         sent, received = header_bytes(0.0 if rows is None else rows / max(calls, 1), node_round)
-        med = {name: statistics.median(s) for name, s in samples.items()}
+        med = {name: median(s) for name, s in samples.items()}
         row = {"ranks": WORLD.Get_size(), "mpi": MPI.Get_library_version().split()[0],
                "compact": rows is not None, "round": "node" if node_round else "mpi",
                "rows_rounds": rows, "checked_calls": calls,

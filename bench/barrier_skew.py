@@ -26,11 +26,11 @@ import importlib
 import json
 import random
 import resource
-import statistics
 import time
 from typing import Any
 
 import torch
+from timing import median
 
 
 def parse() -> argparse.Namespace:
@@ -81,9 +81,9 @@ def report(args: argparse.Namespace, every: list[Any], size: int) -> None:
         release = [(mine[i][2] - zero[i][1]) * ms for i in range(args.rounds)]
         margin = [(mine[i][2] - mine[i][0] - args.sleep) * ms for i in range(args.rounds)]
         cpu = sum(r[3] for r in mine) / sum(r[2] - r[1] for r in mine)
-        row = {"exit_skew_ms": [round(min(skew), 2), round(statistics.median(skew), 2),
+        row = {"exit_skew_ms": [round(min(skew), 2), round(median(skew), 2),
                                 round(max(skew), 2)],
-               "release_ms_median": round(statistics.median(release), 2),
+               "release_ms_median": round(median(release), 2),
                "margin_ms_min": round(min(margin), 2),
                "short": sum(m < 0 for m in margin),
                "cpu_per_wait_s": round(cpu, 3)}

@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import anyio
 import torch
 from mpi4py import MPI
+from timing import Stopwatch, batch_size, median, per_call_async
 
 import asynclock
 from asynclock._core.runtime.coordinator import make_backend
@@ -53,8 +52,7 @@ def parse() -> argparse.Namespace:
 
 def agree_iters(seconds_per_call: float, budget: float) -> int:
     """Rank 0 decides how many calls a round makes; every rank must match."""
-    n = max(3, min(20000, int(budget / max(seconds_per_call, 1e-7))))
-    return int(WORLD.bcast(n, root=0))
+    return int(WORLD.bcast(batch_size(seconds_per_call, budget), root=0))
 
 
 async def time_systems(fns: dict[str, Callable[[], Awaitable[Any]]],
@@ -67,20 +65,13 @@ async def time_systems(fns: dict[str, Callable[[], Awaitable[Any]]],
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
-            WORLD.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters[name]):
-                await fn()
-            samples[name].append((time.perf_counter() - t0) / iters[name])
-    return {name: float(statistics.median(s)) for name, s in samples.items()}
+            samples[name].append(await per_call_async(fn, iters[name], WORLD.Barrier))
+    return {name: median(s) for name, s in samples.items()}
 
 
 async def _calibrate(fn: Callable[[], Awaitable[Any]], args: argparse.Namespace) -> int:
     """Warm up, and agree on how many calls make one round of ~round_seconds."""
-    t0 = time.perf_counter()
-    for _ in range(3):
-        await fn()
-    return agree_iters((time.perf_counter() - t0) / 3, args.round_seconds)
+    return agree_iters(await per_call_async(fn, 3), args.round_seconds)
 
 
 def sync_as_async(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
@@ -200,15 +191,14 @@ async def idle_cpu(coord: asynclock.Coordinator, late_s: float = 2.0) -> dict[st
     out = {}
     for system in ("asynclock", "mpi4py"):
         WORLD.Barrier()
-        c0, w0 = time.process_time(), time.perf_counter()
-        if coord.rank != 0:
-            await anyio.sleep(late_s)
-        if system == "asynclock":
-            await coord.barrier()
-        else:
-            WORLD.Barrier()
-        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-        out[system] = cpu / wall if coord.rank == 0 else float("nan")
+        with Stopwatch() as sw:
+            if coord.rank != 0:
+                await anyio.sleep(late_s)
+            if system == "asynclock":
+                await coord.barrier()
+            else:
+                WORLD.Barrier()
+        out[system] = sw.cpu / sw.wall if coord.rank == 0 else float("nan")
     return out
 
 

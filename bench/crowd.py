@@ -31,7 +31,6 @@ import argparse
 import json
 import re
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -43,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from listeners import Listener, listeners, without_launcher  # noqa: E402
 from mpijob import Job, processes_with, run_horovodrun  # noqa: E402
+from timing import median  # noqa: E402
 
 WATCH_S = 0.002  # the crowd looks for new listeners this often
 _START = re.compile(r"RANK (\d+) OK start ([\d.]+)")
@@ -167,7 +167,7 @@ def main() -> int:
                   f"({'ok' if ok else 'FAILED'})")
             for listener in crowded:
                 print(f"    held {held} on {listener.row()}")
-    medians = {kind: statistics.median(times) for kind, times in slowest.items()}
+    medians = {kind: median(times) for kind, times in slowest.items()}
     print(f"median of the slowest rank's start(): plain {medians['plain']:.2f} s, crowded "
           f"{medians['crowded']:.2f} s ({args.np} ranks, {args.held} idle connections per "
           "listener)")

@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from timing import median
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "elastic_train.py"
@@ -83,7 +84,7 @@ def main() -> int:
     names = {"hvd": "asynclock (hvd.elastic)", "horovod": "Horovod 0.28.1 elastic"}
     for api in apis:
         runs = ", ".join(f"{s:.2f}" for s in seconds[api])
-        print(f"{names.get(api, api)}: median {statistics.median(seconds[api]):.2f} s "
+        print(f"{names.get(api, api)}: median {median(seconds[api]):.2f} s "
               f"(runs: {runs})")
     if args.json is not None:
         args.json.write_text(json.dumps(seconds, indent=1))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "programs"))
 import netrig_rig  # noqa: E402
 from netrig_live import LiveJob, rank_pids, wait_gone  # noqa: E402
+from timing import median  # noqa: E402
 
 LINKS = {"unlimited": None, "5gbit": "5gbit"}
 MPIS = {"openmpi": "system", "mpich": "embedded"}
@@ -390,7 +390,7 @@ def render_faults(rows: list[Row], dead_after: float) -> str:
 
 
 def _med(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f}" if values else "-"
+    return f"{median(values):.1f}" if values else "-"
 
 
 def main() -> int:

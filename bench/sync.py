@@ -21,15 +21,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 from mpi4py import MPI
 from mpi4py.util.sync import Mutex
+from timing import median, per_call, per_call_async, percentile
 
 import asynclock
 
@@ -81,14 +80,6 @@ async def ticker(lag: list[float]) -> None:
         lag.append(time.perf_counter() - t - 0.001)
 
 
-async def barrier_round(fn: Callable[[], Awaitable[Any]], n: int) -> float:
-    WORLD.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        await fn()
-    return (time.perf_counter() - t0) / n
-
-
 # -- mpi4py -----------------------------------------------------------------------------
 def mutex_round(m: Mutex, seconds: float, looping: bool) -> tuple[float, float]:
     WORLD.Barrier()
@@ -102,19 +93,7 @@ def mutex_round(m: Mutex, seconds: float, looping: bool) -> tuple[float, float]:
     return _rate(WORLD.allgather(count if looping else -1), seconds)
 
 
-def raw_barrier_round(n: int) -> float:
-    WORLD.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        WORLD.Barrier()
-    return (time.perf_counter() - t0) / n
-
-
 # -- driver -----------------------------------------------------------------------------
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 async def bench_locks(c: asynclock.Coordinator, args: argparse.Namespace) -> dict[str, Any]:
     """asynclock rounds first, then mpi4py's: its RMA windows exist only for its
     own rounds (an allocated window slows every MPI progress call)."""
@@ -128,11 +107,11 @@ async def bench_locks(c: asynclock.Coordinator, args: argparse.Namespace) -> dic
         lag: list[float] = []
         ours = [await lock_round(c, lock, args.seconds, looping, lag)
                 for _ in range(args.rounds)]
-        lags = sorted(x for rank_lags in WORLD.allgather(lag) for x in rank_lags) or [0.0]
+        lags = [x for rank_lags in WORLD.allgather(lag) for x in rank_lags] or [0.0]
         out[label] = {"asynclock_acq_s": median([r for r, _ in ours]),
                       "asynclock_fairness": median([f for _, f in ours]),
-                      "loop_lag_p50_ms": lags[len(lags) // 2] * 1e3,
-                      "loop_lag_p99_ms": lags[int(len(lags) * 0.99)] * 1e3}
+                      "loop_lag_p50_ms": percentile(lags, 0.5) * 1e3,
+                      "loop_lag_p99_ms": percentile(lags, 0.99) * 1e3}
     reversed_comm = WORLD.Split(0, c.size - 1 - c.rank)  # mpi4py Mutex tail on rank 1
     mutexes = {"local": Mutex(comm=WORLD), "remote": Mutex(comm=reversed_comm)}
     for label, _, where, looping in cases:
@@ -149,9 +128,9 @@ async def bench_barriers(c: asynclock.Coordinator, args: argparse.Namespace
                          ) -> dict[str, Any]:
     point = c.consistency_point("bench")
     n, r = args.barriers, args.rounds
-    raw = [raw_barrier_round(n) for _ in range(r)]
-    checked = [await barrier_round(c.barrier, n) for _ in range(r)]
-    fast = [await barrier_round(point.wait, n) for _ in range(r)]
+    raw = [per_call(WORLD.Barrier, n, WORLD.Barrier) for _ in range(r)]
+    checked = [await per_call_async(c.barrier, n, WORLD.Barrier) for _ in range(r)]
+    fast = [await per_call_async(point.wait, n, WORLD.Barrier) for _ in range(r)]
     return {"mpi_barrier_us": median(raw) * 1e6,
             "coord_barrier_us": median(checked) * 1e6,
             "consistency_point_us": median(fast) * 1e6}

@@ -42,15 +42,14 @@ import json
 import os
 import platform
 import socket
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from mpi4py import MPI
+from timing import Stopwatch, median
 
 WORLD = MPI.COMM_WORLD
 Step = Callable[[], None]
@@ -368,11 +367,11 @@ def window(step: Step, n: int, threads: dict[str, float] | None = None
     each thread's CPU seconds into `threads` when given (`--threads`)."""
     WORLD.Barrier()
     before = thread_cpu() if threads is not None else {}
-    c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(n):
-        step()
-    settle(step)  # a gated method's deferred round is its work too
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    with Stopwatch() as sw:
+        for _ in range(n):
+            step()
+        settle(step)  # a gated method's deferred round is its work too
+    wall, cpu = sw.wall, sw.cpu
     if threads is not None:
         for name, sec in thread_cpu().items():
             threads[name] = threads.get(name, 0.0) + sec - before.get(name, 0.0)
@@ -412,8 +411,8 @@ def measure(model: str, names: list[str], args: argparse.Namespace
             HOROVOD.down(steps[name])
             times[name].append(wall / args.steps)
             cpus[name].append(cpu / args.steps)
-    return ({n: statistics.median(ts) for n, ts in times.items()},
-            {n: statistics.median(cs) for n, cs in cpus.items()},
+    return ({n: median(ts) for n, ts in times.items()},
+            {n: median(cs) for n, cs in cpus.items()},
             {n: min(ts) for n, ts in times.items()})
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import anyio
+from timing import median
 
 from asynclock._core.base.wakeup import Wakeup
 
@@ -58,7 +58,7 @@ async def per_wake(sleep: Sleep, period: float, seconds: float) -> float:
             await sleep(period)
             n += 1
         results.append((time.thread_time() - t0) / n * 1e6)
-    return statistics.median(results)
+    return median(results)
 
 
 def sleep_table(seconds: float) -> None:
