@@ -79,14 +79,14 @@ trap summary EXIT
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 launcher() {  # launcher N: the MPI launcher's words for N ranks
-  "$PY" mpi/select.py launcher "$ASYNCLOCK_TEST_MPI" -n "$1"
+  "$PY" mpi/mpi_select.py launcher "$ASYNCLOCK_TEST_MPI" -n "$1"
 }
 
 if [ "$DRY" = 1 ]; then
   # The script's own steps, where no GPU is: CPU tensors, and gloo where NCCL would be.
   PY=$ROOT/.venv/bin/python
   RESULTS+=("PASS  dry run: $PY, CPU tensors, ASYNCLOCK_CUDA_PATH=gloo-twin")
-  eval "$("$PY" mpi/select.py env "$ASYNCLOCK_TEST_MPI")"
+  eval "$("$PY" mpi/mpi_select.py env "$ASYNCLOCK_TEST_MPI")"
   # CI runs tests/test_cuda.py itself: here only its collection, so the step's words stay right
   step test_cuda_cpu_paths 120 "$PY" -m pytest -q -p no:cacheprovider --co tests/test_cuda.py
   read -r -a L1 <<< "$(launcher 1)"
@@ -161,14 +161,14 @@ import torch, mpi4py, sys
 print(f"python {sys.version.split()[0]}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
       f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}; mpi4py {mpi4py.__version__}")
 EOF
-timeout 60 "$PY" mpi/select.py describe 2>/dev/null | head -3 || true
+timeout 60 "$PY" mpi/mpi_select.py describe 2>/dev/null | head -3 || true
 
 # -- 3-4. tests ----------------------------------------------------------------------------
 step test_cuda_cpu_paths 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
 ASYNCLOCK_REQUIRE_GPU=1 step test_gpu 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
 
 # -- 4b. the NCCL path: 1 rank over NCCL; 2 ranks on one GPU agree on staging (NCCL refuses) --
-eval "$("$PY" mpi/select.py env "$ASYNCLOCK_TEST_MPI")"
+eval "$("$PY" mpi/mpi_select.py env "$ASYNCLOCK_TEST_MPI")"
 read -r -a L1 <<< "$(launcher 1)"
 read -r -a L2 <<< "$(launcher 2)"
 step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py
