@@ -31,3 +31,14 @@ def test_dropped_optimizers_release_threads_windows_and_channels(kind: str) -> N
     and window) and dropped: threads, windows and gradient lanes stay flat."""
     job = run_job("optimizer_churn.py", 2, "50", timeout=180, kind=kind)
     assert_labels(job, 2, "flat", "done")
+
+
+def test_dropped_optimizers_free_their_node_windows_off_the_loop() -> None:
+    """Buckets through MPI and the node window (no shared-memory pipeline): a dropped
+    optimizer's channel holds a node window, whose free is collective over the node,
+    so it is freed on the release thread; on the loop it would block it, and the
+    peers' next call with it."""
+    env = {"ASYNCLOCK_SHM": "0", "ASYNCLOCK_WINDOW_MIN_BYTES": "64",
+           "ASYNCLOCK_THREAD_MIN_BYTES": "64"}
+    job = run_job("optimizer_churn.py", 2, "20", timeout=120, env=env)
+    assert_labels(job, 2, "flat", "done")

@@ -12,8 +12,9 @@ Freeing a window is collective over its node and waits for every peer's
 free, so the release runs on a short-lived thread of its own and never on
 the loop, the training thread or whichever thread the collector ran on;
 each reducer's windows have their own communicator, so ranks that drop
-optimizers in different orders do not block one another. The lane is
-retired on the loop, where the engine's state lives.
+optimizers in different orders do not block one another. The lane stops
+being served on the loop, where the engine's state lives; its channel is
+freed on the release thread (its node window's free is collective too).
 """
 
 from __future__ import annotations
@@ -90,19 +91,36 @@ class Held:
         except Exception as exc:  # MPI refused: the job goes on, the memory stays
             log.warning("asynclock: freeing a dropped optimizer's shared window failed: %s", exc)
         lane = self.lane
-        if lane is not None:
-            self.lane = None
-            coord.engine.call_soon_threadsafe(lambda: _retire(coord, lane))
+        if lane is None:
+            return
+        self.lane = None
+        retired = threading.Event()
+        ok: list[bool] = []
+
+        def on_loop() -> None:
+            ok.append(_stop_serving(coord, lane))
+            retired.set()
+
+        # the engine's state changes on the loop; the channel's frees (its node window's
+        # is collective over the node) stay here, off the loop
+        if coord.engine.call_soon_threadsafe(on_loop) and retired.wait(_LOOP_WAIT_S) \
+                and ok[0] and not coord._closed:
+            coord.backend.close_channel(lane.transport)
 
 
-def _retire(coord: Coordinator, lane: Lane) -> None:
-    """On the loop: stop serving a dropped optimizer's gradient lane and free it."""
+_LOOP_WAIT_S = 60.0  # the loop answers within a tick unless the job is stopping
+
+
+def _stop_serving(coord: Coordinator, lane: Lane) -> bool:
+    """On the loop: stop serving a dropped optimizer's gradient lane (True: its channel
+    may be freed now)."""
     if coord._closed or lane not in coord.engine.lanes:
-        return
+        return False
     if lane.queue:  # something of it is still in flight: it goes with the coordinator
         log.warning("asynclock: a dropped optimizer's gradient channel still has %d "
                     "operations in flight; it is freed at shutdown", len(lane.queue))
-        return
+        return False
     if lane in coord.more_grad_lanes:
         coord.more_grad_lanes.remove(lane)
-    coord.remove_lane(lane)
+    coord.engine.retire_lane(lane)
+    return True
