@@ -17,7 +17,8 @@ input sizes. One torch thread per rank unless `--threads`.
 For every (launcher, model, compression) the two libraries run `--runs` times each,
 alternating which goes first, so a noisy neighbour slows both alike; the table gives
 the median of the runs of img/s per rank (the mean over timed iterations, as the
-example prints it) and asynclock's median over Horovod's. Each job's whole output is
+example prints it) and asynclock's median over Horovod's. The JSON also holds rank 0's
+CPU milliseconds per timed step by thread name. Each job's whole output is
 searched for Horovod's warnings (`W .../horovod/common/...`), counted per job.
 `--timeline`: one more short job per library under `--gloo` with HOROVOD_TIMELINE
 set; Horovod's coordinator records a negotiation for every tensor, and one with no
@@ -161,12 +162,31 @@ def worker(args: argparse.Namespace) -> None:
     warmup, iters, per_iter = steps(args, args.model)
     timeit.timeit(benchmark_step, number=warmup)
     img_secs = []
+    cpu0 = thread_cpu()
     for _ in range(iters):
         seconds = timeit.timeit(benchmark_step, number=per_iter)
         img_secs.append(batch * per_iter / seconds)
+    cpu = {name: 1e3 * (t - cpu0.get(name, 0.0)) / (iters * per_iter)
+           for name, t in thread_cpu().items()}
     if hvd.rank() == 0:
+        busy = {n: round(ms, 1) for n, ms in sorted(cpu.items(), key=lambda kv: -kv[1])
+                if ms >= 0.5}
         print("RESULT " + json.dumps({"img_sec": statistics.fmean(img_secs),
-                                      "iters": img_secs, "size": hvd.size()}), flush=True)
+                                      "iters": img_secs, "size": hvd.size(),
+                                      "cpu_ms_per_step": busy}), flush=True)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads, by thread name (Linux)."""
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0.0) + ns * 1e-9
+    return out
 
 
 def steps(args: argparse.Namespace, model: str) -> tuple[int, int, int]:

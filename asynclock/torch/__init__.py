@@ -26,7 +26,12 @@ Horovod's adaptive summation, computed from an allgather).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+from typing import Any, cast
 
 from .._core.base.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .._core.runtime import coordinator as runtime
@@ -39,6 +44,7 @@ from .._core.runtime.coordinator import (
     rank,
     size,
 )
+from .._core.transports.process_group import backend_usable
 from ._grad.compression import Compression, Compressor
 from ._grad.options import Tuning, training_policy
 from ._grad.reducer import quiesce_all, stop_workers
@@ -118,50 +124,113 @@ def shutdown() -> None:
     stop_workers()
 
 
+def _backend() -> Any:
+    """The running coordinator's backend, or None before `init()` and after `shutdown()`."""
+    return runtime.coordinator().backend if runtime.is_initialized() else None
+
+
+def _controller() -> str | None:
+    """How this job's collectives move: "mpi" (asynclock's MPI transport, or Horovod's
+    MPI controller under it), "gloo" (Horovod's Gloo controller), or None (not
+    initialized, or one process without either)."""
+    backend = _backend()
+    if backend is None:
+        return None
+    if backend.name == "horovod":
+        return str(backend.controller)
+    return "mpi" if backend.name == "mpi" else None
+
+
 def mpi_threads_supported() -> bool:
-    """True when asynclock's MPI transport runs with MPI_THREAD_MULTIPLE, like Horovod's
-    (False on the other transports)."""
-    backend = runtime.coordinator().backend
-    level = getattr(backend, "thread_level", None)
+    """Whether MPI runs with MPI_THREAD_MULTIPLE, as Horovod's: where MPI is not enabled
+    (before `init()`, under `horovodrun --gloo`) it raises ValueError as Horovod does."""
+    if _controller() != "mpi":
+        raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and "
+                         "enabled.")
+    level = getattr(_backend(), "thread_level", None)
     return level is not None and level >= 3  # MPI_THREAD_MULTIPLE
 
 
 def mpi_enabled() -> bool:
-    """True when collectives run on asynclock's MPI transport (mpi4py), False on the
-    Horovod or single-process ones."""
-    return runtime.coordinator().backend.name == "mpi"
+    """True once `init()` made this job's collectives run over MPI: asynclock's MPI
+    transport, or Horovod's MPI controller under its Horovod transport."""
+    return _controller() == "mpi"
 
 
 def mpi_built() -> bool:
-    """True, as for a Horovod built with MPI: MPI (mpi4py) is asynclock's transport."""
-    return True
+    """True when this job can run on MPI: mpi4py, asynclock's MPI binding, is installed
+    (as Horovod's says whether it was built with MPI, whatever the job runs on)."""
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
-    """False: asynclock's own transport is MPI (also when its Horovod transport runs
-    Horovod's Gloo controller)."""
-    return False
+    """True once `init()` made this job run on Horovod's Gloo controller (`horovodrun
+    --gloo`, where asynclock's data stages go through Horovod)."""
+    return _controller() == "gloo"
 
 
 def gloo_built() -> bool:
-    """False, as for a Horovod built without Gloo: asynclock's own transport is MPI."""
-    return False
+    """True when this job can run on Gloo: asynclock runs there through a Horovod built
+    with Gloo, so this is that Horovod's own `gloo_built()` (False without Horovod)."""
+    return _horovod_built("gloo_built")
+
+
+@functools.cache
+def _horovod_built(query: str) -> bool:
+    """Ask the installed Horovod what it was built with: the loaded one if this process
+    runs on it, else a subprocess (importing Horovod here would load its MPI library
+    into a job that runs on another)."""
+    loaded = sys.modules.get("horovod.torch")
+    if loaded is not None:
+        return bool(getattr(loaded, query)())
+    if importlib.util.find_spec("horovod") is None:
+        return False
+    code = f"import horovod.torch as h; print('BUILT', int(h.{query}()))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "BUILT 1" in out.stdout
 
 
 def nccl_built() -> int:
-    """0, as for a Horovod built without NCCL: asynclock does not use NCCL."""
-    return 0
+    """NCCL's version code, as Horovod's (2.9 on: 2xxyy), where this job moves CUDA
+    tensors over NCCL: asynclock's MPI transport with every rank holding torch's NCCL
+    and a GPU of its own, agreed at `init()` (`asynclock.cuda.describe()` says which
+    path and why); else 0: host staging, a CUDA-aware MPI, or Horovod's transport,
+    whose data stages hand Horovod host buffers. Before `init()`: whether this rank
+    could, as far as it alone knows."""
+    if runtime.is_initialized():
+        path = getattr(_backend(), "device_path", None)
+        usable = path is not None and path.path == "nccl"
+    else:
+        wanted = os.environ.get("ASYNCLOCK_CUDA_PATH", "").strip() or "auto"
+        usable = wanted in ("auto", "nccl") and backend_usable("nccl")
+    return _nccl_version() if usable else 0
+
+
+def _nccl_version() -> int:
+    """torch's NCCL as NCCL_VERSION_CODE (`NCCL_VERSION(X, Y, Z)` in nccl.h)."""
+    import torch
+
+    major, minor, patch = (int(v) for v in cast(Any, torch.cuda).nccl.version()[:3])
+    if (major, minor) >= (2, 9):
+        return major * 10000 + minor * 100 + patch
+    return major * 1000 + minor * 100 + patch
 
 
 def cuda_built() -> bool:
-    """False, as for a Horovod built without GPU ops; collectives take CUDA tensors all the
-    same, staged through pinned host memory or handed to a CUDA-aware MPI (see
-    `asynclock.cuda`)."""
-    return False
+    """True when torch here is built with CUDA: collectives then take CUDA tensors,
+    staged through pinned host memory or handed to a CUDA-aware MPI (see
+    `asynclock.cuda`), as a Horovod built with CUDA takes them."""
+    import torch
+
+    return torch.version.cuda is not None
 
 
 def rocm_built() -> bool:
-    """False, as for a Horovod built without ROCm ops."""
+    """False: asynclock has not been run on ROCm builds of torch."""
     return False
 
 
