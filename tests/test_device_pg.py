@@ -18,6 +18,7 @@ def test_device_path_twin(kind: str, nranks: int, loop: str) -> None:
     assert_labels(job, nranks, "values", "mismatch_cancel", "process_set", "done")
 
 
+@pytest.mark.slow  # CI: test_device_path_twin covers every op the device path takes
 def test_collectives_matrix_through_the_twin() -> None:
     """Every collective, every dtype and error case, with the device path on."""
     job = run_job("collectives_matrix.py", 3, timeout=240, env=TWIN)
