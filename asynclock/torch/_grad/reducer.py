@@ -228,7 +228,6 @@ class Reducer:
         """Round 1's update is in: parameters and state move into the node's window."""
         if self._shard_with is not None:
             self.shards = start_sharding(self, *self._shard_with)
-            self.held.windows.append(self.shards.win)
 
     def unshare(self) -> None:
         """Private parameters and state again (before the window goes away)."""
@@ -422,9 +421,6 @@ class Reducer:
     def _adopt(self, plan: Plan, shm: bool = False) -> None:
         """Switch to `plan` (and, if every rank can, to shared-memory buckets)."""
         arena = self._make_arena(plan) if shm else None
-        if arena is not None:
-            self.held.comms.append(arena.node)
-            self.held.windows.append(arena.win)
         storage = GradStorage(plan, self.registry, arena, arena is None and self._horovod_groups())
         storage.adopt()
         storage.writable = self._writable

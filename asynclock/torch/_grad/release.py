@@ -8,13 +8,14 @@ are roots, and MPI objects live until freed. So each reducer keeps them in a
 Horovod optimizer, the train step) is watched with `weakref.finalize`: once
 it is dropped, `Held.release` ends the threads and frees the rest.
 
-Freeing a window is collective over its node and waits for every peer's
-free, so the release runs on a short-lived thread of its own and never on
-the loop, the training thread or whichever thread the collector ran on;
-each reducer's windows have their own communicator, so ranks that drop
-optimizers in different orders do not block one another. The lane stops
-being served on the loop, where the engine's state lives; its channel is
-freed on the release thread (its node window's free is collective too).
+The release runs on a short-lived thread of its own, never on the loop,
+the training thread or whichever thread the collector ran on: it ends the
+pipeline threads and has the loop stop serving the lane (which ends the
+lane's wait thread). It frees no MPI window and no channel: freeing a
+window is collective over the node and waits for every peer's free, and a
+peer's collector may never drop its copy (a rank keeps its optimizer, or
+exits first), which would leave this rank inside MPI_Win_free and its
+MPI_Finalize behind it. The windows and communicators stay until MPI ends.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
-from .windows import free_shared
 
 log = logging.getLogger("asynclock.torch")
 _RUNNING: set[threading.Thread] = set()  # releases under way in this process
@@ -46,14 +46,12 @@ class Closable(Protocol):
 
 
 class Held:
-    """A reducer's threads, windows and channel, in the order they were made."""
+    """A reducer's pipeline threads and its own gradient lane."""
 
     def __init__(self, coord: Coordinator, lane: Lane, owns_lane: bool) -> None:
         self.coord = coord
         self.lane = lane if owns_lane else None
         self.transports: list[Closable] = []  # their `close()` ends pipeline threads
-        self.windows: list[Any] = []  # freed last made, first freed
-        self.comms: list[Any] = []  # the windows' node communicators, freed after them
         self.released = False
 
     def watch(self, owner: object) -> None:
@@ -62,7 +60,7 @@ class Held:
         finalizer.atexit = False
 
     def release(self) -> None:
-        """End the threads and free what was made (idempotent; any thread)."""
+        """End the threads and stop serving the lane (idempotent; any thread)."""
         if self.released:
             return
         self.released = True
@@ -83,37 +81,26 @@ class Held:
         coord = self.coord
         if coord._closed:  # the backend freed every channel; MPI may be finalized
             return
-        try:
-            while self.windows:
-                free_shared(self.windows.pop())
-            while self.comms:
-                self.comms.pop().Free()
-        except Exception as exc:  # MPI refused: the job goes on, the memory stays
-            log.warning("asynclock: freeing a dropped optimizer's shared window failed: %s", exc)
         lane = self.lane
         if lane is None:
             return
         self.lane = None
         retired = threading.Event()
-        ok: list[bool] = []
 
         def on_loop() -> None:
-            ok.append(_stop_serving(coord, lane))
+            _stop_serving(coord, lane)
             retired.set()
 
-        # the engine's state changes on the loop; the channel's frees (its node window's
-        # is collective over the node) stay here, off the loop
-        if coord.engine.call_soon_threadsafe(on_loop) and retired.wait(_LOOP_WAIT_S) \
-                and ok[0] and not coord._closed:
-            coord.backend.close_channel(lane.transport)
+        if coord.engine.call_soon_threadsafe(on_loop):
+            retired.wait(_LOOP_WAIT_S)
 
 
 _LOOP_WAIT_S = 60.0  # the loop answers within a tick unless the job is stopping
 
 
 def _stop_serving(coord: Coordinator, lane: Lane) -> bool:
-    """On the loop: stop serving a dropped optimizer's gradient lane (True: its channel
-    may be freed now)."""
+    """On the loop: stop serving a dropped optimizer's gradient lane, whose channel is
+    freed with the others at shutdown (True when it stopped)."""
     if coord._closed or lane not in coord.engine.lanes:
         return False
     if lane.queue:  # something of it is still in flight: it goes with the coordinator
