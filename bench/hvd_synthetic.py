@@ -177,11 +177,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far of each of this process's threads, by thread name (Linux)."""
+    """CPU seconds so far of each of this process's threads, by thread name (Linux); the
+    main thread is `main`, other threads without a name of their own (Horovod's
+    background thread among them) `python`."""
+    import threading
+
+    main = str(threading.main_thread().native_id)
     out: dict[str, float] = {}
     for task in Path("/proc/self/task").glob("*"):
         try:
-            name = (task / "comm").read_text().strip()
+            name = "main" if task.name == main else (task / "comm").read_text().strip()
             ns = int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
