@@ -31,8 +31,9 @@ time / method step time. Methods:
   the gradient bytes' allreduce alone, and beside backward from its first moment.
 
 Under each table: the best asynclock method over the best peer (naive, Horovod,
-DDP) and over compute only, the two ratios the targets are stated in (also
-`ratios` in the JSON).
+DDP) and over compute only, the two ratios the targets are stated in, and a line
+"asynclock CPU per step / DDP's": the CPU per step of the best asynclock method, and
+of each other one, over DDP's (also `ratios` in the JSON: `best_cpu_vs_ddp`, `cpu_vs_ddp`).
 """
 
 from __future__ import annotations
@@ -473,6 +474,8 @@ def main() -> None:
             out["exposed_comm"][model] = {n: max(0.0, 1 - per_step["compute"] / s)
                                           for n, s in per_step.items() if n != "compute"}
         out["ratios"][model] = ratios(out["samples_per_s"][model])
+        out["ratios"][model].update(cpu_ratios(out["cpu_ms_per_step"][model],
+                                               out["ratios"][model].get("best_asynclock")))
         table(model, out)
         if args.threads and WORLD.rank == 0:
             thread_table(model, args)
@@ -502,6 +505,29 @@ def ratios(sps: dict[str, float]) -> dict[str, Any]:
                                            if peer and "bound-overlap" in sps else None)}
 
 
+def cpu_ratios(cpu_ms: dict[str, float], best: str | None) -> dict[str, Any]:
+    """CPU per step of every asynclock method over DDP's (rank 0's process, every
+    thread), and of the best asynclock method by samples/s; empty without DDP."""
+    ddp = cpu_ms.get("ddp")
+    if not ddp:
+        return {}
+    each = {n: c / ddp for n, c in cpu_ms.items() if n.startswith("asynclock")}
+    return {"cpu_vs_ddp": each, "best_cpu_vs_ddp": each.get(best) if best else None}
+
+
+def cpu_line(cpu_ms: dict[str, float], r: dict[str, Any]) -> str:
+    """The line the CPU target is read from: asynclock's CPU per step over DDP's."""
+    each = r.get("cpu_vs_ddp") or {}
+    if not each:
+        return ""
+    best = r.get("best_asynclock")
+    head = (f"asynclock CPU per step / DDP's: {r['best_cpu_vs_ddp']:.2f}x ({best} "
+            f"{cpu_ms[best]:.1f} ms, ddp {cpu_ms['ddp']:.1f} ms)" if best in each
+            else "asynclock CPU per step / DDP's:")
+    rest = ", ".join(f"{n} {v:.2f}x" for n, v in each.items() if n != best)
+    return f"{head}; {rest}" if rest else head
+
+
 def verdict(r: dict[str, Any]) -> str:
     """One line for the table: the ratios against issue 4's targets (1.2x, 0.8x)."""
     parts = [f"best asynclock: {r['best_asynclock']}"]
@@ -528,8 +554,11 @@ def table(model: str, out: dict[str, Any]) -> None:
         extra = f"{exp[name]:.0%}" if name in exp else "-"
         print(f"  {name:23s} {v:8.1f} {best[name]:7.1f} {ms[name]:8.1f} {cpu[name]:7.1f}  "
               f"{extra}")
-    if out["ratios"][model]:
+    if out["ratios"][model].get("best_asynclock"):
         print(f"  {verdict(out['ratios'][model])}")
+    line = cpu_line(cpu, out["ratios"][model])
+    if line:
+        print(f"  {line}")
     sys.stdout.flush()
 
 
