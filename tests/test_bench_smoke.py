@@ -87,3 +87,7 @@ def test_training_benchmark_bounds_are_neither_peers_nor_asynclock(tmp_path: Pat
     assert (r["best_asynclock"], r["best_peer"]) == ("asynclock", "ddp"), r
     assert r["overlap_bound_vs_best_peer"] == figures["bound-overlap"] / figures["ddp"], r
     assert "overlap bound " in job.output, job.explain()
+    cpu = written["cpu_ms_per_step"]["mlp"]
+    assert r["best_cpu_vs_ddp"] == cpu["asynclock"] / cpu["ddp"], r
+    assert set(r["cpu_vs_ddp"]) == {"asynclock"}, r  # asynclock methods only, no bounds
+    assert "asynclock CPU per step / DDP's: " in job.output, job.explain()
