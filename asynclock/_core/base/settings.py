@@ -91,6 +91,10 @@ DECLARED: tuple[Setting, ...] = (
     _s("NODE_ROUND", "flag", "1", "Where every rank of a channel is on one node, its compact "
        "header rounds go through shared memory rather than MPI (C round only; 0: MPI).",
        agree=True),
+    _s("NODE_DATA_MAX_BYTES", "number", "262144", "Where a channel's compact rounds go "
+       "through shared memory, allreduces up to this size (and over the inline size, below "
+       "`ASYNCLOCK_THREAD_MIN_BYTES`) send their data that way too (0: over MPI).",
+       agree=True),
     # -- faults and stalls ------------------------------------------------------------------
     _s("HEARTBEAT_S", "number", "0.5", "Seconds between heartbeats."),
     _s("DEAD_AFTER_S", "number", "10", "A peer silent this long is taken for dead."),

@@ -1,10 +1,12 @@
-/* The small-message path of engine.small_calls in C, in three parts:
+/* The small-message path of engine.small_calls in C, in four parts:
  * - CompactRound: the compact header round over MPI; one call issues, spins
  *   and judges it;
  * - NodeRound, NodeCompactRound, NodeRequest: the same round through the
  *   node's shared memory, where every rank of a channel is on one node;
  * - HotAllreduce: a small allreduce of an armed signature, from its checks to
- *   its fold.
+ *   its fold;
+ * - NodeData, NodeDataRequest: mid-size allreduces' data through the node's
+ *   shared memory, where every rank of a channel is on one node.
  *
  * Why: on the small-message path the Python around MPI (buffer writes, the
  * Iallreduce and Test calls through mpi4py, the verdict, a copy) costs
@@ -501,6 +503,254 @@ static PyTypeObject NodeCompactRoundType = {
     .tp_methods = node_compact_methods,
 };
 
+/* -- mid-size allreduces through the node's shared memory -----------------
+ * Where every rank of a channel is on one node, an allreduce too big to ride in
+ * the compact round but under the bulk size need not go through MPI either: a
+ * non-blocking MPI allreduce costs markedly more than the copies it makes there
+ * (Open MPI's libnbc most; figures: the benchmarks page). A NodeData segment
+ * holds `depth` records per rank, each a 64-byte head (the number of the data
+ * round written last, 0: none) and `slot` bytes of payload; after them, per
+ * rank, `depth` acks (the round this rank last read from each record index),
+ * as a NodeRound's. Round k (numbered from 1 on every rank: a channel's data
+ * stages are issued in the same order everywhere, and whether one comes here
+ * is decided from its agreed size, dtype and op) uses record index k % depth.
+ * A rank copies its input into its record once every rank has read round
+ * k - depth there, publishes k (a full fence first: large copies may be
+ * non-temporal stores), and once every rank's record holds round k, folds all
+ * of them in rank order into its output, as numpy's rank-order fold does; every
+ * rank folds the same bytes in the same order, so all get the same bits. It then
+ * acks k. Each step is a test that never blocks: the engine polls the request.
+ */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    int rank, size;
+    int64_t depth, slot;
+    int64_t rounds;  /* data rounds started on this rank */
+    PyObject *owner;  /* keeps the mapping alive */
+} NodeData;
+
+enum { DATA_HEAD = 64 };
+
+static int64_t *data_record(const NodeData *n, int rank, int64_t k) {
+    return (int64_t *)(n->base + ((size_t)rank * (size_t)n->depth + (size_t)(k % n->depth))
+                                     * (size_t)(DATA_HEAD + n->slot));
+}
+
+static int64_t *data_ack(const NodeData *n, int rank, int64_t k) {
+    int64_t *acks = (int64_t *)(n->base + (size_t)n->size * (size_t)n->depth
+                                              * (size_t)(DATA_HEAD + n->slot));
+    return acks + (size_t)rank * (size_t)n->depth + (size_t)(k % n->depth);
+}
+
+#define FOLD2(T, EXPR)                                                      \
+    do {                                                                    \
+        const T *x = (const T *)pa, *y = (const T *)pb;                     \
+        T *o = (T *)po;                                                     \
+        size_t cnt = len / sizeof(T);                                       \
+        for (size_t i = 0; i < cnt; i++) { T a = x[i], b = y[i]; o[i] = (EXPR); } \
+    } while (0)
+
+/* The folds run over up to the whole slot: vectorised, which the build's -O2 leaves out. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORISED __attribute__((optimize("O3")))
+#else
+#define VECTORISED
+#endif
+
+/* po = pa (the lower ranks) with pb, elementwise; the fold codes are header.FOLDS's,
+ * with `combine`'s arithmetic. 0, or -1 for a code it does not know. */
+static VECTORISED int fold_pair(int fold, const void *pa, const void *pb, void *po, size_t len) {
+    switch (fold) {
+    case 1: FOLD2(float, a + b); break;
+    case 2: FOLD2(double, a + b); break;
+    case 3: FOLD2(int32_t, WRAP(int32_t, uint32_t, +)); break;
+    case 4: FOLD2(int64_t, WRAP(int64_t, uint64_t, +)); break;
+    case 5: FOLD2(float, a * b); break;
+    case 6: FOLD2(double, a * b); break;
+    case 7: FOLD2(int32_t, WRAP(int32_t, uint32_t, *)); break;
+    case 8: FOLD2(int64_t, WRAP(int64_t, uint64_t, *)); break;
+    case 9: FOLD2(float, FMIN(a, b)); break;
+    case 10: FOLD2(double, FMIN(a, b)); break;
+    case 11: FOLD2(int32_t, b < a ? b : a); break;
+    case 12: FOLD2(int64_t, b < a ? b : a); break;
+    case 13: FOLD2(float, FMAX(a, b)); break;
+    case 14: FOLD2(double, FMAX(a, b)); break;
+    case 15: FOLD2(int32_t, b > a ? b : a); break;
+    case 16: FOLD2(int64_t, b > a ? b : a); break;
+    default: return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    PyObject_HEAD
+    NodeData *node;
+    int64_t k;
+    int written, done, fold;
+    const char *src;
+    char *out;
+    size_t nbytes;
+    PyObject *src_obj, *out_obj;  /* the arrays behind src and out */
+} NodeDataRequest;
+
+static PyTypeObject NodeDataRequestType;
+
+/* Move data round k on: write it once its record is free, then fold every rank's
+ * record into `out` once all are there. 1: finished. */
+static int data_step(NodeDataRequest *r) {
+    const NodeData *n = r->node;
+    int64_t k = r->k;
+    if (!r->written) {
+        if (k > n->depth)
+            for (int p = 0; p < n->size; p++)
+                if (__atomic_load_n(data_ack(n, p, k), __ATOMIC_ACQUIRE) < k - n->depth)
+                    return 0;
+        int64_t *mine = data_record(n, n->rank, k);
+        memcpy((char *)mine + DATA_HEAD, r->src, r->nbytes);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        __atomic_store_n(mine, k, __ATOMIC_RELEASE);
+        r->written = 1;
+    }
+    for (int p = 0; p < n->size; p++)
+        if (__atomic_load_n(data_record(n, p, k), __ATOMIC_ACQUIRE) != k) return 0;
+    const char *first = (const char *)data_record(n, 0, k) + DATA_HEAD;
+    if (n->size == 1) {
+        memcpy(r->out, first, r->nbytes);
+    } else {
+        fold_pair(r->fold, first, (const char *)data_record(n, 1, k) + DATA_HEAD, r->out,
+                  r->nbytes);
+        for (int p = 2; p < n->size; p++)
+            fold_pair(r->fold, r->out, (const char *)data_record(n, p, k) + DATA_HEAD, r->out,
+                      r->nbytes);
+    }
+    __atomic_store_n(data_ack(n, n->rank, k), k, __ATOMIC_RELEASE);
+    return 1;
+}
+
+static int node_data_init(NodeData *self, PyObject *args, PyObject *kw) {
+    unsigned long long base, nbytes;
+    int rank, size;
+    long long depth, slot;
+    PyObject *owner;
+    if (!PyArg_ParseTuple(args, "KKiiLLO", &base, &nbytes, &rank, &size, &depth, &slot,
+                          &owner))
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size || depth < 2 || slot < 64 || slot % 64
+            || nbytes < (unsigned long long)size * (unsigned long long)depth
+                            * (unsigned long long)(DATA_HEAD + slot + 8)) {
+        PyErr_Format(PyExc_ValueError, "a node data segment too small for %d ranks", size);
+        return -1;
+    }
+    self->base = (char *)(uintptr_t)base;
+    self->rank = rank;
+    self->size = size;
+    self->depth = depth;
+    self->slot = slot;
+    self->rounds = 0;
+    Py_INCREF(owner);
+    Py_XSETREF(self->owner, owner);
+    return 0;
+}
+
+static void node_data_dealloc(NodeData *self) {
+    Py_CLEAR(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The memory of a C-contiguous buffer (writable if asked); the object keeps it. */
+static int memory_of(PyObject *obj, int writable, char **ptr, Py_ssize_t *len) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0))
+            < 0)
+        return -1;
+    *ptr = (char *)view.buf;
+    *len = view.len;
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* start(src, out, fold) -> NodeDataRequest: the channel's next data round, `src`
+ * folded with every rank's into `out` (the same length; `src` may be `out`). */
+static PyObject *node_data_start(NodeData *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "start takes 3 arguments");
+    long fold = PyLong_AsLong(args[2]);
+    if (fold == -1 && PyErr_Occurred()) return NULL;
+    char *src, *out;
+    Py_ssize_t slen, olen;
+    if (memory_of(args[0], 0, &src, &slen) < 0 || memory_of(args[1], 1, &out, &olen) < 0)
+        return NULL;
+    char probe[8];
+    if (slen != olen || slen > self->slot || fold_pair((int)fold, probe, probe, probe, 0) < 0)
+        return PyErr_Format(PyExc_ValueError, "not a call for the node's data rounds");
+    NodeDataRequest *req = PyObject_New(NodeDataRequest, &NodeDataRequestType);
+    if (req == NULL) return NULL;
+    Py_INCREF(self);
+    req->node = self;
+    req->k = ++self->rounds;
+    req->written = req->done = 0;
+    req->fold = (int)fold;
+    req->src = src;
+    req->out = out;
+    req->nbytes = (size_t)slen;
+    Py_INCREF(args[0]);
+    req->src_obj = args[0];
+    Py_INCREF(args[1]);
+    req->out_obj = args[1];
+    req->done = data_step(req);
+    return (PyObject *)req;
+}
+
+static PyMethodDef node_data_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))node_data_start, METH_FASTCALL,
+     "Start the next data round: fold `src` with every rank's into `out`."},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef node_data_members[] = {
+    {"slot", T_LONGLONG, offsetof(NodeData, slot), READONLY, "the most bytes a round takes"},
+    {"rounds", T_LONGLONG, offsetof(NodeData, rounds), READONLY, "data rounds started here"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject NodeDataType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.NodeData",
+    .tp_basicsize = sizeof(NodeData),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One channel's mid-size allreduces through node shared memory: "
+              "NodeData(address, nbytes, rank, size, depth, slot, owner)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)node_data_init,
+    .tp_dealloc = (destructor)node_data_dealloc,
+    .tp_methods = node_data_methods,
+    .tp_members = node_data_members,
+};
+
+static void node_data_request_dealloc(NodeDataRequest *self) {
+    Py_CLEAR(self->node);
+    Py_CLEAR(self->src_obj);
+    Py_CLEAR(self->out_obj);
+    PyObject_Free(self);
+}
+
+static PyObject *node_data_request_test(NodeDataRequest *self, PyObject *unused) {
+    if (!self->done) self->done = data_step(self);
+    return PyBool_FromLong(self->done);
+}
+
+static PyMethodDef node_data_request_methods[] = {
+    {"Test", (PyCFunction)node_data_request_test, METH_NOARGS, "True once the round finished."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject NodeDataRequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.NodeDataRequest",
+    .tp_basicsize = sizeof(NodeDataRequest),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One data round through the node's shared memory, until it finishes.",
+    .tp_dealloc = (destructor)node_data_request_dealloc,
+    .tp_methods = node_data_request_methods,
+};
+
 /* -- both rounds behind one exchange() ----------------------------------- */
 
 /* The send and receive words of a CompactRound or NodeCompactRound; -1 with an
@@ -939,7 +1189,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1
 PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&CompactRoundType) < 0 || PyType_Ready(&NodeRoundType) < 0
             || PyType_Ready(&NodeRequestType) < 0 || PyType_Ready(&NodeCompactRoundType) < 0
-            || PyType_Ready(&HotAllreduceType) < 0 || intern_names() < 0)
+            || PyType_Ready(&HotAllreduceType) < 0 || PyType_Ready(&NodeDataType) < 0
+            || PyType_Ready(&NodeDataRequestType) < 0 || intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -952,7 +1203,10 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         return NULL;
     Py_INCREF(&HotAllreduceType);
     if (PyModule_AddObject(m, "HotAllreduce", (PyObject *)&HotAllreduceType) < 0) return NULL;
+    Py_INCREF(&NodeDataType);
+    if (PyModule_AddObject(m, "NodeData", (PyObject *)&NodeDataType) < 0) return NULL;
     PyModule_AddIntConstant(m, "REC_BYTES", REC_BYTES);
+    PyModule_AddIntConstant(m, "DATA_HEAD", DATA_HEAD);
     PyModule_AddIntConstant(m, "DONE_FOLDED", DONE_FOLDED);
     PyModule_AddIntConstant(m, "DIFFERENT", DIFFERENT);
     PyModule_AddIntConstant(m, "IN_FLIGHT", IN_FLIGHT);

@@ -161,6 +161,36 @@ def node_round_for(transport: Any) -> Any:
                          NODE_DEPTH, segment)
 
 
+# Records per rank in a node data segment: data rounds a rank may start before every
+# rank has read its oldest (more wait, unwritten, in their requests).
+DATA_DEPTH = 2
+
+
+def node_data_for(transport: Any, node_round: Any) -> Any:
+    """Collective over the channel, made right after its `node_round` (None on every
+    rank or on none): a C `NodeData` for the data of allreduces up to
+    ASYNCLOCK_NODE_DATA_MAX_BYTES, handed to the channel (`use_node_data`), where it
+    has a node round, every rank wants one and none sends CUDA memory to MPI itself
+    (that rank's allreduces must stay on MPI); else None on every rank."""
+    use = getattr(transport, "use_node_data", None)
+    slot = int(settings.number("ASYNCLOCK_NODE_DATA_MAX_BYTES"))  # agreed
+    if node_round is None or use is None or slot <= 0:
+        return None
+    from ..device.paths import cuda_support
+
+    mod = module()
+    assert mod is not None  # a node round is C
+    slot += -slot % 64
+    segment = transport.node_segment(not cuda_support().direct,
+                                     DATA_DEPTH * (mod.DATA_HEAD + slot + 8))
+    if segment is None:
+        return None
+    data = mod.NodeData(segment.address, segment.nbytes, segment.rank, segment.size,
+                        DATA_DEPTH, slot, segment)
+    use(data)
+    return data
+
+
 def hot_allreduce(rnd: Any, *args: Any) -> Any:
     """The C `HotAllreduce` on `rnd`, a C compact round, made with `args` (see
     `engine.small_calls`); None where `rnd` is Python's."""

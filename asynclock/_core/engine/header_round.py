@@ -165,6 +165,12 @@ def node_round(transport: Any) -> Any:
     return fastpath.node_round_for(transport) if is_compact(transport) else None
 
 
+def node_data(transport: Any, node: Any) -> Any:
+    """Collective, after `node_round`: the channel's mid-size allreduce data through node
+    shared memory (C), or None on every rank (`fastpath.node_data_for`)."""
+    return fastpath.node_data_for(transport, node)
+
+
 def round_for(transport: Any, send: Array, recv: Array, node: Any = None) -> Any:
     """The compact round where the channel has one (through `node`, the lane's
     `node_round`, where it has one; else C on MPI where built), else the rows round

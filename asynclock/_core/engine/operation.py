@@ -115,6 +115,9 @@ class Lane:
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
         # Compact rounds through node shared memory (collective; None: over MPI).
         self.node_round = header_round.node_round(transport)
+        # Mid-size allreduces' data through the same node's memory (collective; the
+        # channel keeps it and picks it per call from agreed facts).
+        self.node_data = header_round.node_data(transport, self.node_round)
         # The compact round's start (None: this channel has only the rows round).
         self.compact_start = header_round.compact_starter(transport, self.node_round)
         self.awaiting_rows = 0  # ops whose rows round waits for its turn

@@ -11,9 +11,9 @@ every in-flight request. Policy (`bench/collectives.py` measures it):
   20 ms), so an idle rank awaiting a late peer uses almost no CPU and the
   extra latency stays under ~5% of the wait;
 * data stages of at least `thread_min_bytes` are waited for in a worker
-  thread with the transport's blocking `Wait` (GIL released), which gives
-  libraries that only progress inside MPI calls (Open MPI's libnbc) the
-  progress they need for bandwidth; the thread wakes the poller when done.
+  thread (`wait_thread`), which gives libraries that only progress inside
+  MPI calls (Open MPI's libnbc) the progress they need for bandwidth without
+  spinning (`transports.settle`); the thread wakes the poller when done.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Engine:
         self._backoff = Backoff(p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction,
                                 busy_s=p.busy_s)
         self._issued = self._completed = self._detached = self._thread_waits = 0
-        # One wait thread per lane: a lane's bulk stages run blocking, in its
+        # One wait thread per lane: a lane's bulk stages run there, in its
         # agreed order; lanes are ordered independently of each other, so two
         # lanes sharing a thread could block each other crosswise across ranks.
         self._waiters: dict[Lane, WaitThread] | None = None

@@ -1,9 +1,11 @@
-"""Blocking waits for large data stages, one thread per lane, off the event loop.
+"""Waits for large data stages, one thread per lane, off the event loop.
 
 Libraries that progress only inside MPI calls (Open MPI's libnbc) need a
-rank to sit in `Wait` for bandwidth; the GIL is released there, so the loop
-keeps running. Each lane has its own thread: two lanes' bulk stages reached
-in opposite orders on two ranks would otherwise block each other.
+rank to call into MPI every so often for bandwidth; the thread does, and
+sleeps in the kernel between its tests (`transports.settle`), so neither the
+loop nor the core the thread runs on is held while data moves. Each lane has
+its own thread: two lanes' bulk stages reached in opposite orders on two
+ranks would otherwise block each other.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .operation import Operation
 
 
 class WaitThread:
-    """Blocking waits for large data stages, off the loop (GIL released in Wait)."""
+    """Waits for large data stages, off the loop (`Deferred` requests run whole here)."""
 
     def __init__(self, poke: Callable[[], None]) -> None:
         self._poke = poke

@@ -110,12 +110,13 @@ def close_channel_of(channels: list[Any], channel: Any) -> None:
 
 
 class Deferred:
-    """A blocking call, run by the engine's wait thread in FIFO order.
+    """A call that runs to its end in the engine's wait thread, in FIFO order.
 
-    Blocking collectives beat non-blocking ones for bulk data on some MPIs
-    (Open MPI 4's libnbc Iallreduce is markedly slower than its Allreduce), so
-    large data stages run blocking, off the loop, on a communicator of their
-    own: one thread in FIFO order keeps the order identical on every rank.
+    Large data stages run there, off the loop, on a communicator of their own
+    (one thread in FIFO order keeps the order identical on every rank): a
+    library that progresses only inside MPI calls (Open MPI 4's libnbc) gets
+    its calls from the thread's tests (`settle`) rather than from the loop's
+    poller, and the node window and gloo paths run whole there.
     """
 
     __slots__ = ("fn",)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..base import settings
-from ..base.header import COMPACT_BYTES, combine
-from ..base.ops import HALF_CODES, ReduceOp
+from ..base.header import COMPACT_BYTES, FOLDS, combine
+from ..base.ops import HALF_CODES, NUMPY_OF_CODE, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
 from .gloo_bulk import mode as gloo_mode
@@ -19,13 +20,18 @@ from .node_segment import make as make_segment
 from .node_window import NodeWindow
 from .process_group import DevicePath, PGGroup, PGStore, choose_device_path
 from .ring import ring_allreduce_half
+from .settle import settle
+
+_MPI: list[Any] = []  # mpi4py's MPI module once imported; `_OPS` its ops by ReduceOp
 
 
 def _mpi() -> Any:
     """Import mpi4py lazily: `import asynclock` must not initialise MPI."""
-    from mpi4py import MPI
+    if not _MPI:
+        from mpi4py import MPI
 
-    return MPI
+        _MPI.append(MPI)
+    return _MPI[0]
 
 
 def _in_place(send: Array | None, recv: Array) -> Any:
@@ -42,11 +48,20 @@ def _in_place(send: Array | None, recv: Array) -> Any:
     return _mpi().IN_PLACE
 
 
-def _mpi_op(op: ReduceOp) -> Any:
-    MPI = _mpi()
-    return {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}[op]
+_OPS: dict[ReduceOp, Any] = {}
 
+
+def _mpi_op(op: ReduceOp) -> Any:
+    if not _OPS:
+        MPI = _mpi()
+        _OPS.update({ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                     ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD})
+    return _OPS[op]
+
+
+# The node data rounds' fold codes (`header.FOLDS`) by numpy dtype and op.
+_NODE_FOLDS: dict[tuple[np.dtype[Any], ReduceOp], int] = {
+    (np.dtype(NUMPY_OF_CODE[code]), op): fold for (code, op), fold in FOLDS.items()}
 
 _P2P_TAG = 7
 _COMPACT: list[tuple[Any, Any]] = []  # (datatype, op), made once per process
@@ -88,12 +103,23 @@ def _scaled(counts: list[int], arr: Array) -> list[int]:
     return counts if size == 1 else [c * size for c in counts]
 
 
+def _on_one_node(comm: Any) -> bool:
+    """Collective: every rank of `comm` is on one node (the same answer on every rank)."""
+    node = comm.Split_type(_mpi().COMM_TYPE_SHARED, key=comm.Get_rank())
+    one = bool(node.Get_size() == comm.Get_size())
+    node.Free()
+    return one
+
+
 class MPIChannel:
     """One subsystem's private header and data communicators."""
 
     def __init__(self, world: Any, name: str, gloo: GlooStore | None = None,
-                 device: PGStore | None = None, device_backend: str | None = None) -> None:
+                 device: PGStore | None = None, device_backend: str | None = None,
+                 one_node: bool | None = None) -> None:
         self.name = name
+        # Every rank of the channel on this node (None: learned here, collectively)
+        self.one_node = _on_one_node(world) if one_node is None else one_node
         self.hdr = world.Dup()  # the compact header rounds (and Ibarrier)
         self.rows = world.Dup()  # the rows rounds, which follow in header order
         self.data = world.Dup()
@@ -108,6 +134,7 @@ class MPIChannel:
         self.rank = world.Get_rank()
         self.size = world.Get_size()
         self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None)
+        self._node_data: Any = None  # `use_node_data`
         # CUDA tensors' data stages (`engine.device_pg`): NCCL, or gloo in its CPU twin
         self.device_group: PGGroup | None = None
         if device is not None and device_backend is not None:
@@ -128,7 +155,18 @@ class MPIChannel:
         channel is on one node and wants it (`node_segment`)."""
         return make_segment(self.hdr, wanted, rank_bytes)
 
+    def use_node_data(self, node: Any) -> None:
+        """Take allreduces that fit `node` (a C `NodeData`, made by the engine where every
+        rank of the channel is on one node) through the node's shared memory."""
+        self._node_data = node
+
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        node = self._node_data
+        if node is not None and type(recv) is np.ndarray and 0 < recv.nbytes <= node.slot:
+            # decided from agreed facts only (size, dtype, op): every rank goes alike
+            fold = _NODE_FOLDS.get((recv.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
+            if fold is not None:
+                return node.start(recv if send is None else send, recv, fold)  # type: ignore[no-any-return]
         return self.data.Iallreduce(  # type: ignore[no-any-return]
             _in_place(send, recv), recv, _mpi_op(op))
 
@@ -179,6 +217,7 @@ class MPIChannel:
     def close(self) -> None:
         """Free every communicator; only called once nothing is in flight."""
         self._bulk_view.close()
+        self._node_data = None
         if self.device_group is not None:
             self.device_group.abort()
         for comm in (self.hdr, self.rows, self.data, self.p2p, self.bulk):
@@ -222,7 +261,8 @@ class MPIBackend:
             self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
             self.device_path, self._device = choose_device_path(
                 self.world, self.local_size, spans, settings.text("ASYNCLOCK_CUDA_PATH"))
-        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend())
+        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend(),
+                        self.local_size == self.size)
         self._channels.append(ch)
         return ch
 
@@ -236,8 +276,9 @@ class MPIBackend:
         if not member:
             return None
         try:
-            channels = [MPIChannel(sub, name, None, self._device, self._device_backend())
-                        for name in names]
+            one_node = _on_one_node(sub)
+            channels = [MPIChannel(sub, name, None, self._device, self._device_backend(),
+                                   one_node) for name in names]
         finally:
             sub.Free()
         self._channels.extend(channels)
@@ -272,8 +313,9 @@ class MPIBackend:
 
 
 class BulkChannel:
-    """Blocking collectives on the channel's `bulk` communicator, deferred to the
-    engine's wait thread (see `Deferred` for why bulk data goes blocking;
+    """Collectives on the channel's `bulk` communicator, run and waited for in the
+    engine's wait thread (see `Deferred` for why bulk data goes there, and
+    `settle` for how the thread waits for MPI without spinning;
     `node_window` for why large allreduces go through the node's shared memory
     where a node holds several ranks; and `gloo_bulk` for why allreduces across
     hosts may go through gloo)."""
@@ -287,6 +329,7 @@ class BulkChannel:
         windowed = settings.flag("ASYNCLOCK_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
+        self._one_node = chan.one_node
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
@@ -311,7 +354,24 @@ class BulkChannel:
         if gloo is not None and gloo.handles(recv, op):
             gloo.allreduce(recv, op, send)
         else:
-            self._c.Allreduce(_in_place(send, recv), recv, _mpi_op(op))
+            into = _in_place(send, recv)
+            self._run(lambda: self._c.Allreduce(into, recv, _mpi_op(op)),
+                      lambda: self._c.Iallreduce(into, recv, _mpi_op(op)))
+
+    def _run(self, blocking: Callable[[], object], start: Callable[[], Any]) -> None:
+        """One collective, in the wait thread, waited for without spinning on a late peer.
+
+        Where every rank of the channel is on this node: the blocking call, once an
+        Ibarrier (waited for by `settle`) shows every rank has reached it. The
+        blocking call then waits only for its own copies, which take the core
+        anyway, and Open MPI's is several times faster there than its non-blocking
+        twin (libnbc). Across hosts a blocking call would poll for as long as the
+        wire is busy: the non-blocking call instead, waited for by `settle`."""
+        if self._one_node:
+            settle(self._c.Ibarrier())
+            blocking()
+        else:
+            settle(start())
 
     def close(self) -> None:
         if self.window is not None:
@@ -324,23 +384,29 @@ class BulkChannel:
         return Deferred(lambda: ring_allreduce_half(self._c, data, code))
 
     def ibcast(self, buf: Array, root: int) -> Request:
-        return Deferred(lambda: self._c.Bcast(_bytes(buf), root))
+        return Deferred(lambda: self._run(lambda: self._c.Bcast(_bytes(buf), root),
+                                          lambda: self._c.Ibcast(_bytes(buf), root)))
 
     def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
         counts = _scaled(counts, recv)
-        return Deferred(lambda: self._c.Allgatherv(
-            _bytes(send), [_bytes(recv), (counts, _displs(counts))]))
+        spec = [_bytes(recv), (counts, _displs(counts))]
+        return Deferred(lambda: self._run(lambda: self._c.Allgatherv(_bytes(send), spec),
+                                          lambda: self._c.Iallgatherv(_bytes(send), spec)))
 
     def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
                         op: ReduceOp) -> Request:
-        return Deferred(lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op)))
+        return Deferred(lambda: self._run(
+            lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op)),
+            lambda: self._c.Ireduce_scatter(send, recv, counts, _mpi_op(op))))
 
     def ialltoall(self, send: Array, recv: Array) -> Request:
-        return Deferred(lambda: self._c.Alltoall(send, recv))
+        return Deferred(lambda: self._run(lambda: self._c.Alltoall(send, recv),
+                                          lambda: self._c.Ialltoall(send, recv)))
 
     def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
                    rcounts: list[int]) -> Request:
         scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
-        return Deferred(lambda: self._c.Alltoallv(
-            [_bytes(send), (scounts, _displs(scounts))],
-            [_bytes(recv), (rcounts, _displs(rcounts))]))
+        out = [_bytes(send), (scounts, _displs(scounts))]
+        into = [_bytes(recv), (rcounts, _displs(rcounts))]
+        return Deferred(lambda: self._run(lambda: self._c.Alltoallv(out, into),
+                                          lambda: self._c.Ialltoallv(out, into)))
