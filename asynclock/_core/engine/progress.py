@@ -11,9 +11,10 @@ every in-flight request. Policy (`bench/collectives.py` measures it):
   20 ms), so an idle rank awaiting a late peer uses almost no CPU and the
   extra latency stays under ~5% of the wait;
 * data stages of at least `thread_min_bytes` are waited for in a worker
-  thread (`wait_thread`), which gives libraries that only progress inside
-  MPI calls (Open MPI's libnbc) the progress they need for bandwidth without
-  spinning (`transports.settle`); the thread wakes the poller when done.
+  thread (`wait_thread`) with MPI's blocking calls (GIL released), which gives
+  libraries that only progress inside MPI calls (Open MPI's libnbc) the
+  progress they need for bandwidth; a late peer is waited for asleep first
+  (`transports.settle`); the thread wakes the poller when done.
 """
 
 from __future__ import annotations

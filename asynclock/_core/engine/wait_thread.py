@@ -1,11 +1,11 @@
 """Waits for large data stages, one thread per lane, off the event loop.
 
 Libraries that progress only inside MPI calls (Open MPI's libnbc) need a
-rank to call into MPI every so often for bandwidth; the thread does, and
-sleeps in the kernel between its tests (`transports.settle`), so neither the
-loop nor the core the thread runs on is held while data moves. Each lane has
-its own thread: two lanes' bulk stages reached in opposite orders on two
-ranks would otherwise block each other.
+rank to sit in MPI for bandwidth; the thread does, with the GIL released, so
+the loop keeps running. It enters a blocking collective only once every rank
+has reached it, and waits for that asleep (`transports.settle`), so a late
+peer costs it no core. Each lane has its own thread: two lanes' bulk stages
+reached in opposite orders on two ranks would otherwise block each other.
 """
 
 from __future__ import annotations

@@ -113,10 +113,10 @@ class Deferred:
     """A call that runs to its end in the engine's wait thread, in FIFO order.
 
     Large data stages run there, off the loop, on a communicator of their own
-    (one thread in FIFO order keeps the order identical on every rank): a
-    library that progresses only inside MPI calls (Open MPI 4's libnbc) gets
-    its calls from the thread's tests (`settle`) rather than from the loop's
-    poller, and the node window and gloo paths run whole there.
+    (one thread in FIFO order keeps the order identical on every rank): MPI's
+    blocking collectives, faster for bulk data than their non-blocking twins
+    (Open MPI 4's libnbc most), each once every rank has reached it (waited for
+    asleep, `settle`), and the node window and gloo paths.
     """
 
     __slots__ = ("fn",)

@@ -1,9 +1,9 @@
 """Bulk allreduces across hosts over gloo, torch's own TCP collectives.
 
-Why: between hosts connected by TCP, MPI's large-message allreduce is
-slower than gloo's pipelined ring, whose thread sleeps in the kernel until
-data arrives, and MPI's needs a test every so often to move data (its wait
-polls, `settle`) (figures across two emulated hosts: the benchmarks page). So when a
+Why: between hosts connected by TCP, MPI's blocking Allreduce spins a core
+for as long as the wire is busy, and its large-message path is slower than
+gloo's pipelined ring, whose thread sleeps in the kernel until data arrives
+(figures across two emulated hosts: the benchmarks page). So when a
 channel's ranks span hosts and the program uses torch, asynclock hands the
 channel's allreduces from a measured size on (run in the channel's wait thread)
 to a private gloo group. Everything else stays on MPI: the
@@ -40,7 +40,6 @@ import numpy as np
 from ..base import settings
 from ..base.ops import ReduceOp
 from .process_group import PGGroup, PGStore, agreed, backend_usable
-from .settle import settle
 
 Array = np.ndarray[Any, Any]
 GLOO_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
@@ -102,17 +101,20 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     compute load; the slowest rank's medians decide the smallest size from
     which gloo is used (None: never).
 
-    Beside compute, because that is how gradient buckets run: both paths take
-    CPU of their own (MPI's tests and its TCP progress, gloo's threads), and
-    where the rank has no spare core that CPU comes from the compute the call
-    overlaps. An idle-machine probe cannot see that cost (figures on the
-    benchmarks page).
+    Beside compute, because that is how gradient buckets run: over TCP, MPI's
+    blocking allreduce spins a core for as long as the wire is busy, gloo's
+    threads mostly wait in the kernel. Where the rank has a spare core the spin
+    costs nothing and MPI's often faster wire time wins; where it has none the
+    spin takes the core from the compute it overlaps. An idle-machine probe
+    cannot tell the two apart: where hosts have no spare core it can choose
+    MPI for bucket-sized allreduces, whose spinning wait thread then takes
+    the core backward needs (figures on the benchmarks page).
 
-    A short probe load can still hide it: both calls then end with the load,
-    and beside compute they look alike. The CPU time each call takes alone
-    (every thread of the process) shows it. A path that is no faster beside
-    compute but takes 3/4 of the CPU or less is chosen for that reason. MPI is
-    timed as the bulk path runs it: non-blocking, waited for by `settle`.
+    A short probe load can still hide the spin: both calls then end with the
+    load, and beside compute they look alike. The CPU time each call takes
+    alone (every thread of the process) shows it: MPI's spin takes a core for
+    the whole call, gloo's threads a fraction of one. A path that is no faster
+    beside compute but takes 3/4 of the CPU or less is chosen for that reason.
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
@@ -160,8 +162,8 @@ def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
 
     data = np.ones(nbytes // 4, np.float32)
 
-    def mpi() -> None:  # as the bulk path runs it (`BulkChannel`)
-        settle(comm.Iallreduce(MPI.IN_PLACE, data))
+    def mpi() -> None:
+        comm.Allreduce(MPI.IN_PLACE, data)
 
     def gloo() -> None:
         group.allreduce(data, ReduceOp.SUM)

@@ -103,23 +103,12 @@ def _scaled(counts: list[int], arr: Array) -> list[int]:
     return counts if size == 1 else [c * size for c in counts]
 
 
-def _on_one_node(comm: Any) -> bool:
-    """Collective: every rank of `comm` is on one node (the same answer on every rank)."""
-    node = comm.Split_type(_mpi().COMM_TYPE_SHARED, key=comm.Get_rank())
-    one = bool(node.Get_size() == comm.Get_size())
-    node.Free()
-    return one
-
-
 class MPIChannel:
     """One subsystem's private header and data communicators."""
 
     def __init__(self, world: Any, name: str, gloo: GlooStore | None = None,
-                 device: PGStore | None = None, device_backend: str | None = None,
-                 one_node: bool | None = None) -> None:
+                 device: PGStore | None = None, device_backend: str | None = None) -> None:
         self.name = name
-        # Every rank of the channel on this node (None: learned here, collectively)
-        self.one_node = _on_one_node(world) if one_node is None else one_node
         self.hdr = world.Dup()  # the compact header rounds (and Ibarrier)
         self.rows = world.Dup()  # the rows rounds, which follow in header order
         self.data = world.Dup()
@@ -261,8 +250,7 @@ class MPIBackend:
             self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
             self.device_path, self._device = choose_device_path(
                 self.world, self.local_size, spans, settings.text("ASYNCLOCK_CUDA_PATH"))
-        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend(),
-                        self.local_size == self.size)
+        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend())
         self._channels.append(ch)
         return ch
 
@@ -276,9 +264,8 @@ class MPIBackend:
         if not member:
             return None
         try:
-            one_node = _on_one_node(sub)
-            channels = [MPIChannel(sub, name, None, self._device, self._device_backend(),
-                                   one_node) for name in names]
+            channels = [MPIChannel(sub, name, None, self._device, self._device_backend())
+                        for name in names]
         finally:
             sub.Free()
         self._channels.extend(channels)
@@ -315,7 +302,7 @@ class MPIBackend:
 class BulkChannel:
     """Collectives on the channel's `bulk` communicator, run and waited for in the
     engine's wait thread (see `Deferred` for why bulk data goes there, and
-    `settle` for how the thread waits for MPI without spinning;
+    `_run` for how the thread waits for a late peer without spinning;
     `node_window` for why large allreduces go through the node's shared memory
     where a node holds several ranks; and `gloo_bulk` for why allreduces across
     hosts may go through gloo)."""
@@ -329,7 +316,6 @@ class BulkChannel:
         windowed = settings.flag("ASYNCLOCK_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
-        self._one_node = chan.one_node
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
@@ -355,23 +341,19 @@ class BulkChannel:
             gloo.allreduce(recv, op, send)
         else:
             into = _in_place(send, recv)
-            self._run(lambda: self._c.Allreduce(into, recv, _mpi_op(op)),
-                      lambda: self._c.Iallreduce(into, recv, _mpi_op(op)))
+            self._run(lambda: self._c.Allreduce(into, recv, _mpi_op(op)))
 
-    def _run(self, blocking: Callable[[], object], start: Callable[[], Any]) -> None:
-        """One collective, in the wait thread, waited for without spinning on a late peer.
-
-        Where every rank of the channel is on this node: the blocking call, once an
-        Ibarrier (waited for by `settle`) shows every rank has reached it. The
-        blocking call then waits only for its own copies, which take the core
-        anyway, and Open MPI's is several times faster there than its non-blocking
-        twin (libnbc). Across hosts a blocking call would poll for as long as the
-        wire is busy: the non-blocking call instead, waited for by `settle`."""
-        if self._one_node:
-            settle(self._c.Ibarrier())
-            blocking()
-        else:
-            settle(start())
+    def _run(self, blocking: Callable[[], object]) -> None:
+        """One collective, in the wait thread: MPI's blocking call, once an Ibarrier
+        (waited for by `settle`, no spinning) shows every rank has reached it. A late
+        peer is waited for asleep; the blocking call then waits only while its data
+        moves: over shared memory its own copies, across hosts the wire (where MPI
+        polls its progress engine for as long as the wire is busy). Its non-blocking
+        twin, tested with sleeps, moves data only at each test: 2.4x (Open MPI) to
+        5.7x (MPICH) slower for 4 MiB across TCP hosts (figures: the benchmarks page),
+        and Open MPI's is 2.6x slower on one node too."""
+        settle(self._c.Ibarrier())
+        blocking()
 
     def close(self) -> None:
         if self.window is not None:
@@ -381,32 +363,27 @@ class BulkChannel:
 
     def iallreduce_half(self, data: Array, code: int) -> Request:
         """Sum 16-bit floats in place, 16-bit on the wire (see `ring`)."""
-        return Deferred(lambda: ring_allreduce_half(self._c, data, code))
+        return Deferred(lambda: self._run(lambda: ring_allreduce_half(self._c, data, code)))
 
     def ibcast(self, buf: Array, root: int) -> Request:
-        return Deferred(lambda: self._run(lambda: self._c.Bcast(_bytes(buf), root),
-                                          lambda: self._c.Ibcast(_bytes(buf), root)))
+        return Deferred(lambda: self._run(lambda: self._c.Bcast(_bytes(buf), root)))
 
     def iallgatherv(self, send: Array, recv: Array, counts: list[int]) -> Request:
         counts = _scaled(counts, recv)
         spec = [_bytes(recv), (counts, _displs(counts))]
-        return Deferred(lambda: self._run(lambda: self._c.Allgatherv(_bytes(send), spec),
-                                          lambda: self._c.Iallgatherv(_bytes(send), spec)))
+        return Deferred(lambda: self._run(lambda: self._c.Allgatherv(_bytes(send), spec)))
 
     def ireduce_scatter(self, send: Array, recv: Array, counts: list[int],
                         op: ReduceOp) -> Request:
         return Deferred(lambda: self._run(
-            lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op)),
-            lambda: self._c.Ireduce_scatter(send, recv, counts, _mpi_op(op))))
+            lambda: self._c.Reduce_scatter(send, recv, counts, _mpi_op(op))))
 
     def ialltoall(self, send: Array, recv: Array) -> Request:
-        return Deferred(lambda: self._run(lambda: self._c.Alltoall(send, recv),
-                                          lambda: self._c.Ialltoall(send, recv)))
+        return Deferred(lambda: self._run(lambda: self._c.Alltoall(send, recv)))
 
     def ialltoallv(self, send: Array, scounts: list[int], recv: Array,
                    rcounts: list[int]) -> Request:
         scounts, rcounts = _scaled(scounts, send), _scaled(rcounts, recv)
         out = [_bytes(send), (scounts, _displs(scounts))]
         into = [_bytes(recv), (rcounts, _displs(rcounts))]
-        return Deferred(lambda: self._run(lambda: self._c.Alltoallv(out, into),
-                                          lambda: self._c.Ialltoallv(out, into)))
+        return Deferred(lambda: self._run(lambda: self._c.Alltoallv(out, into)))

@@ -16,8 +16,8 @@ ranks per node:
    part read straight from its input, into its region;
 3. across nodes (L ranks on every node), rank k allreduces its slice with
    the ranks of local rank k on the other nodes (MPI, on a communicator of
-   their own, waited for without spinning: `settle`), so the data leaves every
-   node striped over all its ranks;
+   their own, once an Ibarrier waited for without spinning shows all are there:
+   `settle`), so the data leaves every node striped over all its ranks;
 4. every rank copies every slice out of its owner's region.
 
 Each slice is reduced by one rank and copied by all, so every rank of a
@@ -210,7 +210,8 @@ class NodeWindow:
         if self._cross.Get_size() > 1:
             from mpi4py import MPI
 
-            settle(self._cross.Iallreduce(MPI.IN_PLACE, mine[lo:hi], self._mpi_op(op)))
+            settle(self._cross.Ibarrier())  # a late node is waited for asleep
+            self._cross.Allreduce(MPI.IN_PLACE, mine[lo:hi], self._mpi_op(op))
         self._publish(REDUCED, epoch)
         self._wait_all(REDUCED, epoch)
         for k in range(n):

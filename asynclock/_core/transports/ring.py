@@ -10,7 +10,7 @@ each adding in float32 and rounding once to the 16-bit type), then an
 rank and copied to the others, so every rank ends with identical bits.
 
 It runs in the engine's wait thread (bulk stages only), on the channel's
-bulk communicator, which waits for each step without spinning (`settle`).
+bulk communicator, once every rank has reached it (`BulkChannel._run`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from ..base.reduce import from_compute, to_compute, torch_half
-from .settle import settle, settle_all
 
 Array = np.ndarray[Any, Any]
 _TAG = 0x4A1C
@@ -48,8 +47,8 @@ def ring_allreduce_half(comm: Any, data: Array, code: int) -> None:
         recv = (rank - step - 1) % size
         mine = data[bounds[recv]:bounds[recv + 1]]
         got = scratch[: mine.size]
-        settle_all([comm.Irecv(_raw(got), left, _TAG),
-                    comm.Isend(_raw(data[bounds[send]:bounds[send + 1]]), right, _TAG)])
+        comm.Sendrecv(_raw(data[bounds[send]:bounds[send + 1]]), right, _TAG, _raw(got), left,
+                      _TAG)
         _add_into(mine, got, code)
     _allgather_chunks(comm, data, bounds)
 
@@ -87,4 +86,4 @@ def _allgather_chunks(comm: Any, data: Array, bounds: list[int]) -> None:
     counts = [(bounds[(r + 1) % size + 1] - bounds[(r + 1) % size]) * item for r in range(size)]
     displs = [bounds[(r + 1) % size] * item for r in range(size)]
     mine = raw[displs[rank]: displs[rank] + counts[rank]].copy()
-    settle(comm.Iallgatherv([mine, MPI.BYTE], [raw, (counts, displs), MPI.BYTE]))
+    comm.Allgatherv([mine, MPI.BYTE], [raw, (counts, displs), MPI.BYTE])
