@@ -186,7 +186,16 @@ def find_latest(directory: Path | str, verify: bool = True) -> CheckpointRef | N
     """The newest complete, intact checkpoint set, or None.
 
     `latest` is only a hint: a kill can leave it one set behind, and a set
-    can be damaged later, so the scan over manifests decides.
+    can be damaged later, so the scan over manifests decides. Blocking file I/O
+    on this rank alone: no collective, no coordinator needed.
+
+    Args:
+        directory: the folder a `Checkpointer` saves into.
+        verify: also compare each file's sha256 digest with its manifest (sizes are
+            always compared); False reads only the manifests and file sizes.
+
+    Returns:
+        The set (`.path`, `.step`, `.manifest`), or None where no complete set is intact.
     """
     directory = Path(directory)
     for path in complete_sets(directory):
@@ -219,9 +228,21 @@ def _load_file(path: Path, serializer: str, map_location: Any, weights_only: boo
 class Checkpointer:
     """Collective save/load of consistent checkpoint sets in `directory`.
 
-    `sharded=False`: rank 0 saves `state` (the other ranks' `state` is
-    ignored) and every rank loads it. `sharded=True`: each rank saves and
-    loads its own shard. `keep`: how many complete sets to keep.
+    Every rank makes one with the same arguments, and calls `save` and `load`
+    in the same order; the collectives run on the coordinator's sync lane.
+
+    Args:
+        coord: the running coordinator.
+        directory: folder of the checkpoint sets, shared by the ranks that write
+            (created on the first save).
+        keep: how many complete sets to keep; older ones are deleted after a save.
+        sharded: False: rank 0 saves `state` (the other ranks' `state` is ignored) and
+            every rank loads it. True: each rank saves and loads its own shard, and a
+            load needs a job of the same size.
+        serializer: `"torch"` (`torch.save`/`torch.load`) or `"pickle"`.
+
+    Raises:
+        ValueError: `keep` is below 1.
     """
 
     def __init__(self, coord: Coordinator, directory: Path | str, *, keep: int = 2,
@@ -243,7 +264,22 @@ class Checkpointer:
     # -- save -----------------------------------------------------------------------
     async def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None
                    ) -> Path:
-        """Write `state` as checkpoint `step` on every rank; returns the set's path."""
+        """Write `state` as checkpoint `step`; a collective, called on every rank.
+
+        Args:
+            step: the training step; every rank passes the same one.
+            state: what to save (this rank's shard, or rank 0's whole state).
+            metadata: JSON-serializable values stored in the manifest (rank 0's).
+
+        Returns:
+            The complete set's directory.
+
+        Raises:
+            CheckpointError: on every rank, where ranks pass different steps, a rank
+                could not write its file, or rank 0 could not complete the set; the
+                previous complete set stays.
+            ValueError: the serializer is neither "torch" nor "pickle".
+        """
         path = await self._agree(step)
         mine = await self._write_mine(path, state)
         rows: list[Any] = await self._lane.allgather_object(mine, name="ckpt.written")
@@ -317,12 +353,22 @@ class Checkpointer:
     # -- load -----------------------------------------------------------------------
     async def load(self, *, map_location: Any = "cpu", weights_only: bool = True,
                    verify: bool = True) -> tuple[int, Any] | None:
-        """`(step, state)` of the newest complete set on every rank, or None.
+        """Load the newest complete set; a collective, called on every rank.
 
         Rank 0 picks the set (manifest and sizes) and tells the others, so all
         ranks load the same step; each rank verifies its own file's digest.
         If any rank finds its file damaged, all ranks move on to the next
         older complete set together.
+
+        Args:
+            map_location: passed to `torch.load` (ignored by the pickle serializer).
+            weights_only: passed to `torch.load`: True unpickles tensors and plain
+                containers only.
+            verify: compare this rank's file with its manifest's sha256 digest.
+
+        Returns:
+            `(step, state)` on every rank (this rank's shard where sharded), or None
+            where no usable set remains.
         """
         rejected: list[str] = []
         while True:

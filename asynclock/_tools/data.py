@@ -26,10 +26,22 @@ if TYPE_CHECKING:
 class ShardSampler:
     """Indices of this rank's shard for the current epoch (a torch Sampler too).
 
-    even=True (default): every rank gets the same count, by padding with
-    indices from the start (drop_last=False) or dropping the tail
-    (drop_last=True), exactly like DistributedSampler. even=False: rank r
-    gets `perm[r::size]`, uneven by at most one; pair it with `Join`.
+    Args:
+        n: the dataset's length.
+        rank: this rank's index in `range(size)`.
+        size: how many ranks share the dataset.
+        shuffle: permute the indices each epoch (False: in order).
+        seed: seed of the permutation; the same on every rank.
+        drop_last: with `even`, drop the tail that does not divide evenly instead of
+            padding with indices from the start.
+        even: True: every rank gets the same count, exactly like
+            `DistributedSampler`. False: rank r gets `perm[r::size]`, uneven by at most
+            one; pair it with `coord.join()`.
+        generator: `"torch"` (`torch.randperm`, `DistributedSampler`'s order),
+            `"numpy"` (PCG64), or `"auto"`: torch's where torch is importable.
+
+    Raises:
+        ValueError: `rank` is outside `range(size)`, or `generator` is unknown.
     """
 
     def __init__(self, n: int, *, rank: int, size: int, shuffle: bool = True, seed: int = 0,
@@ -43,14 +55,29 @@ class ShardSampler:
 
     @classmethod
     def for_coordinator(cls, coord: Coordinator, n: int, **kw: Any) -> ShardSampler:
+        """A sampler for this rank of `coord`'s world.
+
+        Args:
+            coord: the running coordinator; gives `rank` and `size`.
+            n: the dataset's length.
+            **kw: the other keyword arguments of `ShardSampler`.
+
+        Returns:
+            The sampler.
+        """
         return cls(n, rank=coord.rank, size=coord.size, **kw)
 
     def set_epoch(self, epoch: int) -> None:
-        """Call before each epoch on every rank: a new permutation, the same everywhere."""
+        """Call before each epoch on every rank: a new permutation, the same everywhere.
+
+        Args:
+            epoch: the epoch number; added to `seed`.
+        """
         self.epoch = epoch
 
     @property
     def num_samples(self) -> int:
+        """How many indices this rank gets per epoch."""
         if not self.even:
             return len(range(self.rank, self.n, self.size))
         if self.drop_last and self.n % self.size:
@@ -64,7 +91,11 @@ class ShardSampler:
         return iter(self.indices())
 
     def permutation(self) -> list[int]:
-        """The whole epoch's order, identical on every rank."""
+        """The whole epoch's order, identical on every rank.
+
+        Returns:
+            Every index of `range(n)`, in this epoch's order.
+        """
         if not self.shuffle:
             return list(range(self.n))
         if self.generator == "torch":
@@ -79,6 +110,11 @@ class ShardSampler:
         return order
 
     def indices(self) -> list[int]:
+        """This rank's indices for the current epoch.
+
+        Returns:
+            This rank's share of the epoch's order (what iterating the sampler yields).
+        """
         perm = self.permutation()
         if not self.even:
             return perm[self.rank::self.size]
@@ -90,7 +126,15 @@ class ShardSampler:
         return perm[self.rank:total:self.size]
 
     def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[list[int]]:
-        """This rank's indices in batches; the last one may be short."""
+        """This rank's indices in batches.
+
+        Args:
+            batch_size: indices per batch.
+            drop_last: drop a last batch shorter than `batch_size`.
+
+        Yields:
+            Lists of indices, in order; without `drop_last` the last may be short.
+        """
         idx = self.indices()
         stop = len(idx) - len(idx) % batch_size if drop_last else len(idx)
         for i in range(0, stop, batch_size):

@@ -91,10 +91,20 @@ class Permits:
 
     # -- acquiring ---------------------------------------------------------------
     async def acquire(self, timeout: float | None = None) -> None:
-        """Wait for a permit (FIFO across ranks); `timeout` raises CollectiveTimeout.
+        """Wait for a permit (FIFO across ranks).
 
         On the home rank (or with an idle lease) a free permit is taken without
         messages; see `_take_local` for how that stays fair.
+
+        Args:
+            timeout: seconds to wait; None waits for ever (stalls are still probed
+                and reported).
+
+        Raises:
+            CollectiveTimeout: not acquired within `timeout`; names the holders and
+                the other waiters.
+            RankFailedError: the home rank or a holder did not answer a liveness probe.
+            MismatchError: this rank asked for another capacity than the home rank has.
         """
         if self._take_local():
             await self._yield_holding()
@@ -106,10 +116,13 @@ class Permits:
         self._take(t)
 
     async def acquire_nowait(self) -> None:
-        """Take a permit only if one is free now, else raise `anyio.WouldBlock`.
+        """Take a permit only if one is free now.
 
         Never waits for a holder; when the home rank is another rank this
         costs one round trip (no queueing), which is why it is async.
+
+        Raises:
+            anyio.WouldBlock: no permit is free.
         """
         if self._take_local():
             await self._yield_holding()
@@ -163,11 +176,11 @@ class Permits:
         self.pending.discard(t.id)
         if t.reply is M.ERROR:
             raise self._error(t.words)
-        self.note_lease(t)
+        self._note_lease(t)
         self._held[t.id] = self._svc.current_task()
         self._acquired += 1
 
-    def note_lease(self, t: Ticket) -> None:
+    def _note_lease(self, t: Ticket) -> None:
         """A grant that carries a lease: cache the permit when it is released
         (unless a RECALL already came in before the task resumed)."""
         if len(t.words) > HEAD and t.words[HEAD]:
@@ -261,7 +274,18 @@ class Permits:
                     self._svc.policy.stall_s, list(info.holders), list(info.waiters))
 
     async def info(self, cond: int = 0) -> PermitInfo:
-        """Ask the home rank who holds and who waits (RankFailedError if it is gone)."""
+        """Ask the home rank who holds and who waits.
+
+        Args:
+            cond: the condition whose waiters to count (`Condition.info` passes its
+                own; 0: none).
+
+        Returns:
+            The home rank's view: holders and waiters in queue order, leases.
+
+        Raises:
+            RankFailedError: the home rank did not answer within the probe time.
+        """
         w = await self._svc.request(self.home, (int(M.INFO), self.obj, 0, cond),
                                     self._svc.policy.probe_s)
         if w is None:
@@ -272,7 +296,11 @@ class Permits:
 
     # -- releasing -----------------------------------------------------------------
     def release(self) -> None:
-        """Give back the permit the current task holds (else the oldest on this rank)."""
+        """Give back the permit the current task holds (else the oldest on this rank).
+
+        Raises:
+            RuntimeError: no permit is held on this rank.
+        """
         self._give_back(self._pick())
 
     def _pick(self) -> int:
@@ -299,7 +327,11 @@ class Permits:
 
     def release_cached(self) -> int:
         """Give idle leased permits back to the home rank now (e.g. before this
-        rank stops using the lock for a while, or exits); returns how many."""
+        rank stops using the lock for a while, or exits).
+
+        Returns:
+            How many permits went back.
+        """
         idle, self._idle = self._idle, []
         for ticket in idle:
             del self._leases[ticket]
@@ -307,11 +339,20 @@ class Permits:
         return len(idle)
 
     def held_by_current_task(self) -> int | None:
-        """The ticket of a permit the current task holds, if any."""
+        """The ticket of a permit the current task holds, if any.
+
+        Returns:
+            The ticket, or None where the current task holds no permit.
+        """
         me = self._svc.current_task()
         return next((t for t, task in self._held.items() if task == me), None)
 
     def statistics(self) -> PermitStatistics:
+        """This rank's counters; no messages.
+
+        Returns:
+            Name, home rank, capacity, permits held here, waiters and counts.
+        """
         return PermitStatistics(self.name, self.home, self.capacity, len(self._held),
                                 self._waiting, self._acquired, self._contended,
                                 self._cancelled, self._timed_out, self._orphaned,

@@ -49,7 +49,15 @@ class ConsistencyStatistics:
 
 
 class ConsistencyPoint:
-    """A reusable named barrier; `await point` or `await point.wait(timeout)`."""
+    """A reusable named barrier; `await point` or `await point.wait(timeout)`.
+
+    Made by `coord.consistency_point(name)`.
+
+    Args:
+        coord: the coordinator; the point runs on its sync lane.
+        name: the point's name; ranks that reach points of different names fail
+            with MismatchError.
+    """
 
     def __init__(self, coord: SyncHost, name: str) -> None:
         self._coord = coord
@@ -63,7 +71,18 @@ class ConsistencyPoint:
         self._recv = np.empty_like(self._send)
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Wait for every rank at this point; CollectiveTimeout after `timeout`."""
+        """Wait for every rank at this point.
+
+        Args:
+            timeout: seconds to wait; None waits for ever (stalls are still probed).
+
+        Raises:
+            CollectiveTimeout: not every rank arrived within `timeout`; the point's
+                round stays in flight.
+            MismatchError: on every rank, where ranks reached points of different names
+                or rounds; names each rank's point.
+            RankFailedError: a rank did not answer a liveness probe.
+        """
         rnd, self._round = self._round, self._round + 1
         send, recv = self._buffers()
         send[2], send[3] = rnd, -rnd
@@ -133,6 +152,11 @@ class ConsistencyPoint:
         raise MismatchError("ranks reached different consistency points: " + "; ".join(parts))
 
     def statistics(self) -> ConsistencyStatistics:
+        """This rank's counters.
+
+        Returns:
+            Name, rounds passed, and how many completed within the spin.
+        """
         return ConsistencyStatistics(self.name, self._round, self._spun)
 
 

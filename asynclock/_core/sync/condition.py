@@ -36,7 +36,16 @@ class ConditionStatistics:
 
 
 class Condition:
-    """`async with cond:` then `await cond.wait()` / `cond.notify(n)` on any rank."""
+    """`async with cond:` then `await cond.wait()` / `cond.notify(n)` on any rank.
+
+    Made by `coord.condition(name)`, on the lock `coord.lock(name)`.
+
+    Args:
+        service: this rank's sync service; `coord.condition(name)` passes it, and gives
+            every task of the rank the same object for one name.
+        name: the condition's name; the same name is the same condition on every rank.
+        lock: the lock it releases while waiting.
+    """
 
     def __init__(self, service: SyncService, name: str, lock: Lock) -> None:
         self._svc = service
@@ -47,15 +56,34 @@ class Condition:
 
     # -- the lock ----------------------------------------------------------------
     async def acquire(self, timeout: float | None = None) -> None:
+        """Acquire the condition's lock (`Lock.acquire`).
+
+        Args:
+            timeout: seconds to wait; None waits for ever.
+
+        Raises:
+            CollectiveTimeout: not acquired within `timeout`.
+        """
         await self.lock.acquire(timeout)
 
     async def acquire_nowait(self) -> None:
+        """Take the condition's lock if free now (`Lock.acquire_nowait`).
+
+        Raises:
+            anyio.WouldBlock: the lock is held.
+        """
         await self.lock.acquire_nowait()
 
     def release(self) -> None:
+        """Release the condition's lock (`Lock.release`)."""
         self.lock.release()
 
     def locked(self) -> bool:
+        """Whether a task of this rank holds the condition's lock.
+
+        Returns:
+            True while a task of this rank holds it.
+        """
         return self.lock.locked()
 
     async def __aenter__(self) -> None:
@@ -77,6 +105,9 @@ class Condition:
 
         Cancelled while waiting: the task still takes the lock back (shielded)
         before the cancellation propagates, as `anyio.Condition` does.
+
+        Raises:
+            RuntimeError: the current task does not hold the lock.
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
         ticket = self._held("wait()")
@@ -99,28 +130,59 @@ class Condition:
             self._waiting -= 1
             lock.pending.discard(ticket)
             if t.reply is M.GRANT:
-                lock.note_lease(t)
+                lock._note_lease(t)
                 lock._held[ticket] = svc.current_task()
 
     async def wait_for(self, predicate: Callable[[], T]) -> T:
-        """Wait until `predicate()` is true (checked with the lock held)."""
+        """Wait until `predicate()` is true (checked with the lock held).
+
+        Args:
+            predicate: called with the lock held, before each wait and after each
+                wake-up.
+
+        Returns:
+            The predicate's last (true) result.
+
+        Raises:
+            RuntimeError: the current task does not hold the lock.
+        """
         while not (result := predicate()):
             await self.wait()
         return result
 
     def notify(self, n: int = 1) -> None:
-        """Wake up to n waiters (any rank) in the order they started waiting."""
+        """Wake up to n waiters (any rank) in the order they started waiting.
+
+        Args:
+            n: how many waiters to wake; -1 wakes all.
+
+        Raises:
+            RuntimeError: the current task does not hold the lock.
+        """
         self._held("notify()")
         self._notified += 1
         self._svc.send(self.lock.home, (int(M.NOTIFY), self.lock.obj, 0, self.cond, n))
 
     def notify_all(self) -> None:
+        """Wake every waiter, on every rank."""
         self.notify(-1)
 
     async def info(self) -> PermitInfo:
-        """The home rank's view, with the number of tasks waiting on this condition."""
+        """Ask the lock's home rank who holds, who waits, and who waits on this condition.
+
+        Returns:
+            The home rank's view, with `condition_waiters` counted.
+
+        Raises:
+            RankFailedError: the home rank did not answer within the probe time.
+        """
         return await self.lock.info(self.cond)
 
     def statistics(self) -> ConditionStatistics:
+        """This rank's counters; no messages.
+
+        Returns:
+            The lock's statistics, tasks waiting here, notifies and cancellations.
+        """
         return ConditionStatistics(self.name, self.lock.statistics(), self._waiting,
                                    self._notified, self._cancelled)

@@ -34,7 +34,15 @@ class EventStatistics:
 
 
 class Event:
-    """Set once, by any task on any rank; awaited by any task on any rank."""
+    """Set once, by any task on any rank; awaited by any task on any rank.
+
+    Made by `coord.event(name)`.
+
+    Args:
+        service: this rank's sync service; `coord.event(name)` passes it, and gives
+            every task of the rank the same object for one name.
+        name: the event's name; the same name is the same event on every rank.
+    """
 
     def __init__(self, service: SyncService, name: str) -> None:
         self._svc = service
@@ -51,11 +59,23 @@ class Event:
             self._svc.send(self.home, (int(M.EVENT_SET), self.obj, 0))
 
     def is_set(self) -> bool:
-        """True once this rank set it or learned that another rank did."""
+        """Whether this rank set it or learned that another rank did; no messages.
+
+        Returns:
+            True once set, as far as this rank knows.
+        """
         return self._set_here or self.obj in self._svc.known_events
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Wait until some rank sets it; `timeout` raises CollectiveTimeout."""
+        """Wait until some rank sets it.
+
+        Args:
+            timeout: seconds to wait; None waits for ever (stalls are still probed).
+
+        Raises:
+            CollectiveTimeout: not set within `timeout`.
+            RankFailedError: the event's home rank did not answer a liveness probe.
+        """
         if self.is_set():
             await anyio.lowlevel.checkpoint()
             return
@@ -94,5 +114,10 @@ class Event:
                     self._svc.policy.stall_s)
 
     def statistics(self) -> EventStatistics:
+        """This rank's counters; no messages.
+
+        Returns:
+            Name, home rank, whether set, tasks waiting and cancellations.
+        """
         return EventStatistics(self.name, self.home, self.is_set(), self._waiting,
                                self._cancelled)

@@ -41,7 +41,15 @@ def _task_name(task: object) -> str | None:
 
 
 class Lock(Permits):
-    """Mutual exclusion across ranks and tasks, FIFO-fair, cancellation-safe."""
+    """Mutual exclusion across ranks and tasks, FIFO-fair, cancellation-safe.
+
+    Made by `coord.lock(name)`; `async with lock:` acquires and releases it.
+
+    Args:
+        service: this rank's sync service; `coord.lock(name)` passes it, and gives
+            every task of the rank the same object for one name.
+        name: the lock's name; the same name is the same lock on every rank.
+    """
 
     kind = "lock"
 
@@ -49,12 +57,29 @@ class Lock(Permits):
         super().__init__(service, name, 1)
 
     async def acquire(self, timeout: float | None = None) -> None:
-        """Wait for the lock; `timeout` raises CollectiveTimeout naming the holder."""
+        """Wait for the lock, in FIFO order across ranks.
+
+        Args:
+            timeout: seconds to wait; None waits for ever (stalls are still probed
+                and reported).
+
+        Raises:
+            RuntimeError: the current task already holds the lock.
+            CollectiveTimeout: not acquired within `timeout`; names the holder and
+                the other waiters.
+            RankFailedError: the home rank or a holder did not answer a liveness probe.
+            MismatchError: this rank and the home rank made the lock differently.
+        """
         self._refuse_reentry()
         await super().acquire(timeout)
 
     async def acquire_nowait(self) -> None:
-        """Take the lock if free now, else raise `anyio.WouldBlock` (never queues)."""
+        """Take the lock if free now (never queues).
+
+        Raises:
+            anyio.WouldBlock: the lock is held.
+            RuntimeError: the current task already holds the lock.
+        """
         self._refuse_reentry()
         await super().acquire_nowait()
 
@@ -63,17 +88,30 @@ class Lock(Permits):
             raise RuntimeError(f"lock {self.name!r} is already held by the current task")
 
     def release(self) -> None:
-        """Release; only the holding task may (RuntimeError otherwise)."""
+        """Release the lock.
+
+        Raises:
+            RuntimeError: the current task does not hold it.
+        """
         ticket = self.held_by_current_task()
         if ticket is None:
             raise RuntimeError(f"lock {self.name!r}: the current task is not holding it")
         self._give_back(ticket)
 
     def locked(self) -> bool:
-        """Whether a task of this rank holds it (`await info()` for every rank)."""
+        """Whether a task of this rank holds it (`await info()` for every rank).
+
+        Returns:
+            True while a task of this rank holds the lock.
+        """
         return bool(self._held)
 
     def statistics(self) -> LockStatistics:  # type: ignore[override]
+        """This rank's counters for the lock; no messages.
+
+        Returns:
+            Name, home rank, holder task on this rank, waiters and counts.
+        """
         s: PermitStatistics = super().statistics()
         owner = next(iter(self._held.values()), None)
         return LockStatistics(s.name, s.home_rank, bool(s.held_here), _task_name(owner),

@@ -21,6 +21,17 @@ class Semaphore(Permits):
 
     Permits are not owned by a task: `release()` gives back the current
     task's permit if it holds one, else the oldest permit held on this rank.
+    Made by `coord.semaphore(name, n)`; `async with sem:` acquires and releases.
+
+    Args:
+        service: this rank's sync service; `coord.semaphore(name)` passes it, and gives
+            every task of the rank the same object for one name.
+        name: the semaphore's name; the same name is the same semaphore on every rank.
+        n: how many permits; the same on every rank (a rank that disagrees gets a
+            MismatchError on its first acquire).
+
+    Raises:
+        ValueError: `n` is below 1.
     """
 
     kind = "semaphore"
@@ -30,4 +41,5 @@ class Semaphore(Permits):
 
     @property
     def initial_value(self) -> int:
+        """The number of permits, `n`."""
         return self.capacity

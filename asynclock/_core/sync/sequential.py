@@ -36,7 +36,15 @@ class SequentialStatistics:
 
 
 class Sequential:
-    """Ranks take turns in rank order, once per round."""
+    """Ranks take turns in rank order, once per round.
+
+    Made by `coord.sequential(name)`; `async with seq:` enters and leaves.
+
+    Args:
+        service: this rank's sync service; `coord.sequential(name)` passes it, and gives
+            every task of the rank the same object for one name.
+        name: the section's name; the same name is the same section on every rank.
+    """
 
     def __init__(self, service: SyncService, name: str) -> None:
         self._svc = service
@@ -54,6 +62,7 @@ class Sequential:
 
     @property
     def predecessor(self) -> int:
+        """The rank whose turn comes just before this rank's."""
         return (self._svc.rank - 1) % self._svc.size
 
     def _on_token(self, generation: int) -> None:
@@ -75,7 +84,18 @@ class Sequential:
         svc.send(nxt, (int(M.TOKEN), self.obj, 0, gen))
 
     async def enter(self, timeout: float | None = None) -> int:
-        """Wait for this rank's turn; returns the round. Cancelled: turn given up."""
+        """Wait for this rank's turn. Cancelled before it: the turn is given up.
+
+        Args:
+            timeout: seconds to wait; None waits for ever (stalls are still probed).
+
+        Returns:
+            The round entered (0, 1, ...).
+
+        Raises:
+            CollectiveTimeout: the turn did not come within `timeout`; it is given up.
+            RankFailedError: the predecessor did not answer a liveness probe.
+        """
         gen, self._next = self._next, self._next + 1
         if gen not in self._allowed:
             await self._await_turn(gen, timeout)
@@ -124,7 +144,11 @@ class Sequential:
                     self.name, self._svc.rank, gen)
 
     def leave(self) -> None:
-        """End this rank's turn (the earliest round entered and not yet left)."""
+        """End this rank's turn (the earliest round entered and not yet left).
+
+        Raises:
+            RuntimeError: no round was entered.
+        """
         if not self._inside:
             raise RuntimeError(f"sequential {self.name!r}: leave() without enter()")
         self._pass(self._inside.pop(0))
@@ -136,5 +160,10 @@ class Sequential:
         self.leave()
 
     def statistics(self) -> SequentialStatistics:
+        """This rank's counters; no messages.
+
+        Returns:
+            Name, next round, rounds entered and skipped, tasks waiting.
+        """
         return SequentialStatistics(self.name, self._next, self._entered, self._skipped,
                                     len(self._waiters))
