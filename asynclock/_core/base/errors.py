@@ -68,7 +68,12 @@ class HostsUpdatedInterrupt(RuntimeError):
     rank of the new world already holds the committed state.
 
     Not an `AsynclockError`: nothing failed, and code that catches those must not
-    swallow a re-formation."""
+    swallow a re-formation.
+
+    Args:
+        skip_sync: hosts were only removed, so the state need not be synchronized
+            after the reset.
+    """
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts were added or removed: the job re-forms at this commit")

@@ -14,6 +14,11 @@ class Handle:
 
     Dropping or cancelling the awaiting task never withdraws the collective
     (other ranks rely on it); the engine completes it in the background.
+    Returned by the `*_async` collectives; never made directly.
+
+    Args:
+        engine: the progress engine that completes the operation.
+        op: the operation in flight.
     """
 
     __slots__ = ("_engine", "_op")
@@ -28,17 +33,31 @@ class Handle:
         return (yield from self._engine.wait(self._op).__await__())
 
     def done(self) -> bool:
-        """True once the result (or error) is available on this rank."""
+        """Whether the collective completed on this rank; never waits.
+
+        Returns:
+            True once the result (or error) is available on this rank.
+        """
         return self._op.done
 
     def result(self) -> Any:
-        """The result of a completed collective; raises its error."""
+        """The result of a completed collective, without waiting.
+
+        Returns:
+            What `await handle` returns.
+
+        Raises:
+            RuntimeError: the collective has not completed yet.
+            AsynclockError: the collective's own error (MismatchError,
+                RankFailedError, ...).
+        """
         if not self._op.done:
             raise RuntimeError(f"{self._op.describe()} has not completed yet")
         return self._op.outcome()
 
     @property
     def name(self) -> str:
+        """The collective's description: kind, name and sequence number."""
         return self._op.describe()
 
     def __repr__(self) -> str:

@@ -9,7 +9,28 @@ from ..base import settings
 
 @dataclass(frozen=True, slots=True)
 class ProgressPolicy:
-    """Knobs of the progress engine (env: ASYNCLOCK_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES)."""
+    """Knobs of the progress engine (env: ASYNCLOCK_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES).
+
+    Pass one to `init(policy=)` or `start(policy=)`; `from_env()` is the default.
+
+    Attributes:
+        spin_s: seconds a caller spins on a small collective right after issuing it,
+            before the poller takes it over.
+        max_spin_s: ceiling of the spin the engine adapts per lane from the latencies
+            it sees.
+        busy_s: seconds the poller keeps testing with bare yields after the last
+            progress, before it sleeps.
+        min_sleep_s: the poller's shortest sleep past the busy phase.
+        max_sleep_s: the poller's longest sleep.
+        sleep_fraction: past the busy phase the poller sleeps this share of the time
+            already waited (between `min_sleep_s` and `max_sleep_s`).
+        blocked_max_sleep_s: the longest sleep while a synchronous (Horovod-style)
+            caller's thread is blocked on the loop.
+        thread_min_bytes: data stages of at least this many bytes are waited for in
+            the lane's wait thread, on the bulk communicator.
+        stray_s: seconds a call may wait to be matched by name before the rank
+            reports it cannot proceed (UnmatchedError once every rank is stuck).
+    """
 
     # 200 us: a 64 KiB allreduce at 2 ranks on one node finishes inside the spin, and
     # one caught by the spin completes far sooner than one left to the poller
@@ -35,6 +56,12 @@ class ProgressPolicy:
 
     @classmethod
     def from_env(cls) -> ProgressPolicy:
+        """The defaults, with the `ASYNCLOCK_*` variables of the environment applied.
+
+        Returns:
+            A policy with ASYNCLOCK_SPIN_US, _MAX_SPIN_US, _BUSY_US, _THREAD_MIN_BYTES
+            and _STRAY_S read.
+        """
         return cls(spin_s=settings.number("ASYNCLOCK_SPIN_US") * 1e-6,
                    max_spin_s=settings.number("ASYNCLOCK_MAX_SPIN_US") * 1e-6,
                    busy_s=settings.number("ASYNCLOCK_BUSY_US") * 1e-6,

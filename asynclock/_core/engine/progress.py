@@ -44,7 +44,17 @@ __all__ = ["Engine", "EngineSnapshot", "EngineStatistics", "InflightOp", "Progre
 
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
-    """Exact engine state, for tests and the stall inspector."""
+    """Exact engine state, for tests and the stall inspector (`coord.statistics()`).
+
+    Attributes:
+        in_flight: operations issued and not yet complete.
+        issued: operations issued since start.
+        completed: operations completed since start.
+        detached: operations whose awaiting task was cancelled or went away (they run
+            on to completion).
+        thread_waits: data stages handed to a lane's wait thread.
+        poller_running: whether the poller task runs on the event loop.
+    """
 
     in_flight: int
     issued: int

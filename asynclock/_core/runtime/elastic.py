@@ -214,7 +214,12 @@ class State:
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of `callbacks` after every reset (e.g. to scale the learning rate
-        with the new world size), before the state is synced."""
+        with the new world size), before the state is synced.
+
+        Args:
+            callbacks: functions of no arguments, called in order; added to those
+                registered before.
+        """
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -226,7 +231,14 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp: float, update_res: int) -> None:
-        """Horovod's driver reports a host change (on its notification thread)."""
+        """Horovod's driver reports a host change (on its notification thread).
+
+        Args:
+            timestamp: when the driver saw the change; a later commit acts on notes
+                newer than the last one acted on.
+            update_res: what changed, as Horovod's `HostUpdateResult` flags (added,
+                removed or both).
+        """
         self._host_notes.put((timestamp, int(update_res)))
 
     def commit(self) -> None:
@@ -241,7 +253,12 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise `HostsUpdatedInterrupt` on every rank when hosts were added or removed
-        (a collective: every rank calls it at the same point)."""
+        (a collective: every rank calls it at the same point; rank 0's notes decide).
+
+        Raises:
+            HostsUpdatedInterrupt: on every rank, where rank 0 heard of a host change
+                since the last check.
+        """
         runtime.coordinator().run_sync(self.check_host_updates_async)
 
     async def check_host_updates_async(self) -> None:
@@ -283,7 +300,12 @@ class State:
 class ObjectState(State):
     """Plain Python values, given as keyword arguments and kept as attributes:
     `state = ObjectState(epoch=0, batch=0)`, then `state.batch += 1`. A commit keeps
-    a deep copy, so a value changed in place after it is rolled back too."""
+    a deep copy, so a value changed in place after it is rolled back too.
+
+    Args:
+        **values: the values, by attribute name; each is deep-copied at a commit and
+            broadcast from rank 0 (pickled) at a sync.
+    """
 
     def __init__(self, **values: Any) -> None:
         self._saved = copy.deepcopy(values)
@@ -324,6 +346,12 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     Before each run the state is synced from rank 0 (skipped when hosts were only
     removed, as every rank then holds it already). Errors of the program's own
     propagate, as they would without it.
+
+    Args:
+        func: the training function; its first argument is the `State`.
+
+    Returns:
+        A function of `(state, *args, **kwargs)` that returns what `func` returns.
     """
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
@@ -360,6 +388,16 @@ async def run_elastic(func: Callable[..., Awaitable[T]], state: State, *args: An
     is torn down, and the new one made, in worker threads. An error of the
     program's own stops the job as under `asynclock.start()`; the coordinator is
     shut down when this returns.
+
+    Args:
+        func: `async def train(coord, state, *args)`, run with each world's coordinator.
+        state: what the job keeps across resets; synced from rank 0 before each run.
+        *args: passed on to `func` after `coord` and `state`.
+        backend: as in `asynclock.init`: "auto", "mpi", "horovod" or "local".
+        policy: the progress engine's knobs (None: `ProgressPolicy.from_env()`).
+
+    Returns:
+        What `func` returns.
     """
     skip_sync = False
     try:

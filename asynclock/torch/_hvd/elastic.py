@@ -64,6 +64,14 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     ranks get one more; with a batch size that does not divide the shard, the last
     batch of those ranks is larger by one (or one batch more: keep the number of
     batches equal across ranks, e.g. with `drop_last`, or use `hvd.join()`).
+
+    Args:
+        dataset: the dataset; only its length is read.
+        shuffle: shuffle each epoch as Horovod does (False: in order).
+        seed: the shuffle's seed; the same on every rank.
+
+    Raises:
+        NotInitializedError: `hvd.init()` has not run (the shard needs the world).
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
@@ -75,23 +83,47 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` (call it at the end of the previous one): nothing processed."""
+        """Start `epoch` (call it at the end of the previous one): nothing processed.
+
+        Args:
+            epoch: the epoch number; added to `seed` for the shuffle.
+        """
         self.epoch, self.processed_num = epoch, 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Every rank processed a batch of `batch_size` samples."""
+        """Every rank processed a batch of `batch_size` samples.
+
+        Args:
+            batch_idx: the batch's index in the epoch (unused; Horovod's signature).
+            batch_size: samples per batch on each rank.
+        """
         self.processed_num += batch_size * self.num_replicas
 
     def state_dict(self) -> dict[str, int]:
+        """Where the epoch got, in Horovod's format.
+
+        Returns:
+            `{"epoch": ..., "processed_num": ...}`.
+        """
         return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume where `state` says, and shard what is left over the current world.
+
+        Args:
+            state: a `state_dict()` of this sampler or of Horovod's.
+        """
         self.epoch, self.processed_num = int(state["epoch"]), int(state["processed_num"])
         self.reset()
 
     def epoch_order(self) -> list[int]:
-        """Every index of the dataset in this epoch's order."""
+        """Every index of the dataset in this epoch's order.
+
+        Returns:
+            `range(len(dataset))`, shuffled by `random.Random(seed + epoch)` where
+            `shuffle` is set.
+        """
         order = list(range(len(self.dataset)))
         if self.shuffle:
             # Horovod's shuffle: `processed_num` counts a prefix of this order, so any
@@ -171,7 +203,14 @@ class TorchState(ObjectState):
     A commit keeps deep copies, where Horovod's keeps references to the other
     values: a list or dict changed in place after a commit is rolled back by
     `restore()` here, and kept by Horovod's (which rolls back only what was
-    assigned anew), so that after a lost rank the state is the last commit's."""
+    assigned anew), so that after a lost rank the state is the last commit's.
+
+    Args:
+        model: a model, kept by its state dict and broadcast from rank 0 at a sync.
+        optimizer: an optimizer, kept by its state dict and broadcast from rank 0.
+        **values: more models, optimizers or `ElasticSampler`s (kept by their state
+            dicts), or other values (kept as in `ObjectState`).
+    """
 
     _kept: dict[str, _Kept]
 
