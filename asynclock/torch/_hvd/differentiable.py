@@ -89,7 +89,32 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               compression: Any = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None) -> torch.Tensor:
-    """The reduction of `tensor` over all ranks (Average unless `op`), as a new tensor."""
+    """The reduction of `tensor` over all ranks (Average unless `op`), as a new tensor.
+
+    Differentiable: where `tensor` requires grad, the backward pass is the same allreduce of the
+    gradient.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A new tensor of `tensor`'s shape and dtype.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     if _wants_grad(tensor):
         out: torch.Tensor = _apply(_Allreduce, tensor, average, name, compression, op,
                                              prescale_factor, postscale_factor, process_set)
@@ -131,7 +156,33 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None
                       ) -> list[torch.Tensor]:
-    """Allreduce each tensor (all in flight together)."""
+    """Allreduce each tensor (all in flight together).
+
+    Differentiable: where a tensor requires grad, the backward pass is the same grouped
+    allreduce of the gradients.
+
+    Args:
+        tensors: the inputs; each as `tensor` of the single form, in the same order on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        New tensors, in the order of `tensors`; with `name`, part n is named
+        `name.n`.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     if _wants_grad(*tensors):
         return list(_apply(_GroupedAllreduce, average, name, compression, op, prescale_factor,
                                             postscale_factor, process_set, *tensors))
@@ -171,7 +222,25 @@ class _Allgather(torch.autograd.Function):
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Any:
-    """Every rank's tensor concatenated along dim 0 (dim 0 may differ per rank)."""
+    """Every rank's tensor concatenated along dim 0, in rank order.
+
+    Differentiable: where `tensor` requires grad, the backward pass is the gradient averaged
+    over ranks, then this rank's rows.
+
+    Args:
+        tensor: the input; dim 0 may differ by rank, the other dims and the dtype may not.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A new tensor; its dim 0 is the sum of the ranks' dims 0.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     if _wants_grad(tensor):
         return _apply(_Allgather, name, process_set, tensor)[0]
     return mpi_ops.allgather(tensor, name, process_set)
@@ -179,7 +248,25 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set: Any = None) -> list[Any]:
-    """Each tensor concatenated over ranks along dim 0 (all in flight together)."""
+    """Each tensor concatenated over ranks along dim 0 (all in flight together).
+
+    Differentiable: where a tensor requires grad, the backward pass is the gradients averaged over
+    ranks, then this rank's rows.
+
+    Args:
+        tensors: the inputs; for each, dim 0 may differ by rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        New tensors, in the order of `tensors`.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     if _wants_grad(*tensors):
         return list(_apply(_Allgather, name, process_set, *tensors))
     return mpi_ops.grouped_allgather(tensors, name, process_set)
@@ -205,7 +292,26 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> Any:
-    """Root's tensor, as a new tensor on every rank."""
+    """Root's tensor, as a new tensor on every rank.
+
+    Differentiable: where `tensor` requires grad, the backward pass is the gradient averaged
+    over ranks on root, zeros elsewhere.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A copy of root's tensor.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     if _wants_grad(tensor):
         return _apply(_Broadcast, tensor, root_rank, name, process_set)
     return mpi_ops.broadcast(tensor, root_rank, name, process_set)
@@ -245,7 +351,31 @@ def _as_splits(splits: Any, tensor: torch.Tensor, process_set: Any) -> Any:
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = None) -> Any:
-    """Send `splits[r]` rows to rank r; with `splits`, also return the received splits."""
+    """Send `splits[r]` rows of `tensor` to rank r, and receive each rank's rows for
+    this one.
+
+    Differentiable: where `tensor` requires grad, the backward pass is the gradient sent back
+    with the received splits.
+
+    Args:
+        tensor: the rows to send, split along dim 0; the dtype and the other dims are
+            the same on every rank.
+        splits: how many rows go to each rank, in rank order (integers; None: equal
+            parts, which must divide dim 0).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        The received rows, concatenated in rank order; with `splits` given, the
+        pair (rows, received splits as an int32 tensor).
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        InvalidInputError: `splits` holds non-integers, negative counts or does not sum
+            to dim 0; the other ranks fail too.
+        MismatchError: on every rank, where the ranks' calls differ.
+    """
     if _wants_grad(tensor):
         return _apply(_Alltoall, tensor, splits, name, process_set)
     return mpi_ops.alltoall(tensor, splits, name, process_set)
@@ -291,7 +421,32 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
                   op: Any = ReduceOp.AVERAGE, process_set: Any = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
-    """This rank's slice (dim 0, first ranks larger) of the reduction."""
+    """This rank's slice of the reduction over ranks, split along dim 0 (the first
+    ranks get one row more where it does not divide).
+
+    Differentiable: where `tensor` requires grad, the backward pass is the gradient scaled (by
+    the set's size for Sum, and by both factors), then allgathered.
+
+    Args:
+        tensor: the input; the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+
+    Returns:
+        This rank's slice, a new tensor.
+
+    Raises:
+        RuntimeError: `op` is Adasum, as in Horovod.
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     del compression  # reduced as given, as Horovod's CPU path does
     _check_scatter_op(op)
     if _wants_grad(tensor):
@@ -305,7 +460,32 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
                           compression: Any = None, op: Any = ReduceOp.AVERAGE,
                           process_set: Any = None, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[Any]:
-    """Reduce each tensor, keep this rank's slice of dim 0 (all in flight together)."""
+    """Reduce each tensor over ranks and keep this rank's slice of dim 0 (all in
+    flight together).
+
+    Differentiable: where a tensor requires grad, the backward pass is as `reducescatter`'s,
+    for each.
+
+    Args:
+        tensors: the inputs; each the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+
+    Returns:
+        This rank's slices, in the order of `tensors`.
+
+    Raises:
+        RuntimeError: `op` is Adasum, as in Horovod.
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     del compression
     _check_scatter_op(op)
     if _wants_grad(*tensors):

@@ -69,13 +69,34 @@ def _register(handle: Any, post: Post) -> int:
 
 
 def poll(handle: int) -> bool:
-    """True once `synchronize(handle)` would return without waiting."""
+    """Whether `synchronize(handle)` would return without waiting; never waits.
+
+    Args:
+        handle: what an `*_async` call returned.
+
+    Returns:
+        True once the collective completed on this rank.
+
+    Raises:
+        KeyError: `handle` is unknown, or was synchronized already.
+    """
     done: bool = _handles[handle][0].done()
     return done
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for an `*_async` collective and return its output."""
+    """Wait for an `*_async` collective and return its output.
+
+    Args:
+        handle: what an `*_async` call returned.
+
+    Returns:
+        What the collective's synchronous form returns.
+
+    Raises:
+        KeyError: `handle` is unknown, or was synchronized already.
+        AsynclockError: the collective's own error (MismatchError, RankFailedError, ...).
+    """
     with _lock:
         h, post = _handles.pop(handle)
 
@@ -106,7 +127,30 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     compression: Any = Compression.none, op: Any = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None) -> int:
-    """Start an averaged (default) or summed allreduce of a copy of `tensor`."""
+    """Start an averaged (default) or summed allreduce of a copy of `tensor`.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle for `poll` and `synchronize`; `synchronize` returns the result
+        as a new tensor.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
                                postscale_factor)
     start, finish = start_allreduce(api_of(process_set), work, rop, name)
@@ -145,6 +189,27 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     One hop to the loop thread that starts and awaits together (a metric or a
     loss then takes the small-message path), instead of `allreduce_async` plus
     `synchronize`: each hop to the loop thread costs as much as a small collective.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        The reduction, a new tensor of `tensor`'s shape and dtype.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
     """
     if _is_adasum(op, average):
         result: torch.Tensor = synchronize(allreduce_async(
@@ -162,7 +227,28 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> int:
-    """In-place variant: `synchronize` writes the result into `tensor` and returns it."""
+    """Start an in-place allreduce: `synchronize` writes the result into
+    `tensor` and returns it.
+
+    Args:
+        tensor: the input, overwritten with the result.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle for `poll` and `synchronize`.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     n = allreduce_async(tensor, average, name, Compression.none, op, prescale_factor,
                         postscale_factor, process_set)
     return then(n, tensor.copy_)
@@ -178,29 +264,94 @@ def then(n: int, step: Post) -> int:
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
-    """In-place `allreduce`: write the reduction over all ranks into `tensor` and
-    return it (Average unless `average=False` or `op`)."""
+    """In-place `allreduce`: write the reduction over all ranks into `tensor`
+    and return it.
+
+    Args:
+        tensor: the input, overwritten with the result.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        `tensor`, holding the reduction.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return tensor.copy_(allreduce(tensor, average, name, Compression.none, op,
                                   prescale_factor, postscale_factor, process_set))
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
-    """Start `allgather`; `synchronize` returns every rank's tensor concatenated along
-    dim 0."""
+    """Start `allgather`.
+
+    Args:
+        tensor: the input; dim 0 may differ by rank, the other dims and the dtype may not.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle; `synchronize` returns every rank's tensor concatenated along dim 0.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     api = api_of(process_set)
     return _register(_start_async(lambda: api.allgather_async(tensor.contiguous(), name=name)),
                      lambda out: out)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Any:
-    """Every rank's tensor concatenated along dim 0 (dim 0 may differ per rank)."""
+    """Every rank's tensor concatenated along dim 0, in rank order.
+
+    Args:
+        tensor: the input; dim 0 may differ by rank, the other dims and the dtype may not.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A new tensor; its dim 0 is the sum of the ranks' dims 0.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return synchronize(allgather_async(tensor, name, process_set))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> int:
-    """Start `broadcast`; `synchronize` returns root's tensor as a new tensor."""
+    """Start `broadcast`.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle; `synchronize` returns root's tensor as a new tensor.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     api, root = api_of(process_set), root_of(process_set, root_rank)
     start = _start_async(lambda: api.broadcast_async(tensor.contiguous(), root, name=name))
     return _register(start, lambda out: out)
@@ -208,13 +359,45 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> Any:
-    """Root's tensor, as a new tensor on every rank."""
+    """Root's tensor, as a new tensor on every rank.
+
+    Args:
+        tensor: the input, a CPU or CUDA tensor of the same shape and dtype on every rank.
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A copy of root's tensor.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> int:
-    """Start `broadcast_`; `synchronize` overwrites `tensor` with root's and returns it."""
+    """Start `broadcast_`.
+
+    Args:
+        tensor: the input, overwritten with the result.
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle; `synchronize` overwrites `tensor` with root's and returns it.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     api, root = api_of(process_set), root_of(process_set, root_rank)
     return _register(_start_async(lambda: api.broadcast_async_(tensor, root, name=name)),
                      lambda out: tensor)
@@ -222,13 +405,49 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> Any:
-    """Overwrite `tensor` with root's, in place."""
+    """Overwrite `tensor` with root's, in place.
+
+    Args:
+        tensor: the input, overwritten with the result.
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        `tensor`, holding root's values.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = None) -> Any:
-    """Send `splits[r]` rows to rank r; with `splits`, also return the received splits."""
+    """Send `splits[r]` rows of `tensor` to rank r, and receive each rank's rows for this one.
+
+    Args:
+        tensor: the rows to send, split along dim 0; the dtype and the other dims are
+            the same on every rank.
+        splits: how many rows go to each rank, in rank order (integers; None: equal
+            parts of dim 0).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        The received rows, concatenated in rank order; with `splits` given, the
+        pair (rows, received splits as an int32 tensor).
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        InvalidInputError: `splits` holds non-integers, negative counts or does not sum
+            to dim 0; the other ranks fail too.
+        MismatchError: on every rank, where the ranks' calls differ.
+    """
     api = api_of(process_set)
     out, received = _wait(start_alltoall(
         _start, lambda split_list: api.alltoall_async(tensor.contiguous(), split_list,
@@ -255,7 +474,26 @@ def start_alltoall(start: Callable[[Callable[[], T]], T], issue: Callable[[Any],
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
                   op: Any = ReduceOp.AVERAGE, process_set: Any = None) -> Any:
-    """This rank's slice (dim 0, first ranks larger) of the reduction."""
+    """This rank's slice of the reduction over ranks, split along dim 0 (the first
+    ranks get one row more where it does not divide).
+
+    Args:
+        tensor: the input; the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (None: the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        This rank's slice, a new tensor.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     api = api_of(process_set)
     return _wait(_start(lambda: api.reduce_scatter_async(tensor.contiguous(), _reduce_op(
         None, op), name=name)))
@@ -271,30 +509,71 @@ def _wait(handle: Handle) -> Any:
 # -- objects and coordination ------------------------------------------------------------
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
-    """Root's picklable object on every rank."""
+    """Root's picklable object on every rank.
+
+    Args:
+        obj: the object (rank `root_rank`'s is sent; the others' are ignored).
+        root_rank: the world rank whose tensor is sent (a member of `process_set`).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        Root's object, unpickled on every rank (root's own is returned as is).
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+    """
     api, root = api_of(process_set), root_of(process_set, root_rank)
     return runtime.coordinator().run_sync(lambda: api.broadcast_object(obj, root, name=name))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
-    """Every rank's picklable object, in rank order."""
+    """Every rank's picklable object, in rank order.
+
+    Args:
+        obj: this rank's object.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A list with one object per rank of the set.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+    """
     api = api_of(process_set)
     return runtime.coordinator().run_sync(lambda: api.allgather_object(obj, name=name))
 
 
 def barrier(process_set: Any = None) -> None:
-    """Return once every rank of `process_set` (default: all ranks) called `barrier`."""
+    """Return once every rank of `process_set` called `barrier`.
+
+    Args:
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Raises:
+        ValueError: `process_set` is not added.
+    """
     api = api_of(process_set)
     runtime.coordinator().run_sync(api.barrier)
 
 
 def join(device: int = -1) -> int:
-    """Horovod's join: this rank has no more data. Until every rank joined, it
-    stands in for the others' allreduces (zeros; an average still divides by
-    `size()`) and barriers, gradient buckets included (shared-memory rounds fall
-    back to MPI allreduces meanwhile); broadcast, allgather and
-    alltoall raise `JoinedError` on every rank meanwhile. Returns the rank that
-    joined last. `device` is accepted for compatibility."""
+    """Horovod's join: this rank has no more data.
+
+    Until every rank joined, it stands in for the others' allreduces (zeros; an
+    average still divides by `size()`) and barriers, gradient buckets included
+    (shared-memory rounds fall back to MPI allreduces meanwhile); broadcast,
+    allgather and alltoall raise `JoinedError` on every rank meanwhile.
+
+    Args:
+        device: accepted for Horovod's signature; unused.
+
+    Returns:
+        The rank that joined last.
+    """
     coord = runtime.coordinator()
     return int(coord.run_sync(coord.join))
 
@@ -333,7 +612,30 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             name: str | None = None, compression: Any = Compression.none,
                             op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = None) -> int:
-    """Start an allreduce of a copy of each tensor; one handle for the group."""
+    """Start an allreduce of a copy of each tensor, all in flight together.
+
+    Args:
+        tensors: the inputs; each as `tensor` of the single form, in the same order on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        One handle for the group; `synchronize` returns the results in order.
+        With `name`, part n is named `name.n`.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     api = api_of(process_set)
     prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor)
                 for t in tensors]
@@ -348,7 +650,29 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
-    """Allreduce each tensor (all in flight together)."""
+    """Allreduce each tensor, all in flight together.
+
+    Args:
+        tensors: the inputs; each as `tensor` of the single form, in the same order on every rank.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: a `Compressor`, applied before the reduction and undone after
+            (`Compression.fp16` halves the bytes sent).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        The reductions, new tensors in the order of `tensors`.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return _results(grouped_allreduce_async(tensors, average, name, compression, op,
                                             prescale_factor, postscale_factor, process_set))
 
@@ -357,7 +681,28 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> int:
-    """In place: `synchronize` writes each result into its tensor and returns them."""
+    """Start an in-place allreduce of each tensor: `synchronize` writes each
+    result into its tensor and returns them.
+
+    Args:
+        tensors: the inputs, each overwritten with its result.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        One handle for the group.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     n = grouped_allreduce_async(tensors, average, name, Compression.none, op, prescale_factor,
                                 postscale_factor, process_set)
     return then(n, lambda out: [t.copy_(r) for t, r in zip(tensors, out, strict=True)])
@@ -366,16 +711,51 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
-    """In-place `grouped_allreduce`: write each reduction into its tensor (all in
-    flight together) and return the tensors."""
+    """In-place `grouped_allreduce`: write each reduction into its tensor (all
+    in flight together).
+
+    Args:
+        tensors: the inputs, each overwritten with its result.
+        average: Horovod's older switch: True averages, False sums; None leaves it to `op`.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        op: the reduction: Average (None: the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        `tensors`, holding the reductions.
+
+    Raises:
+        ValueError: both `average` and `op` are given, the name is in use, or
+            `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return _results(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                              postscale_factor, process_set))
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: Any = None) -> int:
-    """Start `grouped_allgather`; one handle for the group, whose `synchronize`
-    returns each tensor concatenated over ranks along dim 0."""
+    """Start `grouped_allgather`.
+
+    Args:
+        tensors: the inputs; for each, dim 0 may differ by rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        One handle for the group; `synchronize` returns each tensor concatenated
+        over ranks along dim 0.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     api = api_of(process_set)
     starts = [_gather_start(api, t.contiguous(), _part(name, n)) for n, t in enumerate(tensors)]
     return _start_group(starts, [_same] * len(tensors))
@@ -383,13 +763,46 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set: Any = None) -> list[Any]:
-    """Each tensor concatenated over ranks along dim 0 (all in flight together)."""
+    """Each tensor concatenated over ranks along dim 0 (all in flight together).
+
+    Args:
+        tensors: the inputs; for each, dim 0 may differ by rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        New tensors, in the order of `tensors`.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+        InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
+    """
     return _results(grouped_allgather_async(tensors, name, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
                         op: Any = None, process_set: Any = None) -> int:
-    """Start `reducescatter`; `synchronize` returns this rank's slice."""
+    """Start `reducescatter`.
+
+    Args:
+        tensor: the input; the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (None: the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle; `synchronize` returns this rank's slice.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     api, rop = api_of(process_set), _reduce_op(None, op)
     return _register(_start_async(_scatter_start(api, tensor.contiguous(), rop, name)), _same)
 
@@ -397,7 +810,26 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compressi
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
                                 compression: Any = None, op: Any = None,
                                 process_set: Any = None) -> int:
-    """Reduce each tensor (Average unless `op`), keep this rank's slice of dim 0."""
+    """Start a reducescatter of each tensor, all in flight together.
+
+    Args:
+        tensors: the inputs; each the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (None: the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        One handle for the group; `synchronize` returns this rank's slices in
+        order.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     api, rop = api_of(process_set), _reduce_op(None, op)
     starts = [_scatter_start(api, t.contiguous(), rop, _part(name, n))
               for n, t in enumerate(tensors)]
@@ -407,12 +839,50 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
                           compression: Any = None, op: Any = None,
                           process_set: Any = None) -> list[Any]:
+    """Reduce each tensor over ranks and keep this rank's slice of dim 0 (all
+    in flight together).
+
+    Args:
+        tensors: the inputs; each the same shape and dtype on every rank.
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        compression: accepted for Horovod's signature; reducescatter compresses nothing.
+        op: the reduction: Average (None: the default), Sum, Min, Max or Product.
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        This rank's slices, in the order of `tensors`.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+        InvalidInputError: the tensor cannot be communicated, or op is Adasum; the other
+            ranks fail too.
+    """
     return _results(grouped_reducescatter_async(tensors, name, compression, op, process_set))
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = None) -> int:
-    """Start an alltoall; as in Horovod, `synchronize` returns (output, received_splits)."""
+    """Start an alltoall.
+
+    Args:
+        tensor: the rows to send, split along dim 0; the dtype and the other dims are
+            the same on every rank.
+        splits: how many rows go to each rank, in rank order (integers; None: equal
+            parts of dim 0).
+        name: the collective's name; ranks match calls by it, and a name a call of this
+            rank still holds is refused (None: matched by issue order).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A handle; as in Horovod, `synchronize` returns (output, received splits).
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+        InvalidInputError: `splits` holds non-integers, negative counts or does not sum
+            to dim 0; the other ranks fail too.
+    """
     api = api_of(process_set)
 
     def post(result: Any) -> Any:
@@ -454,9 +924,13 @@ _timeline_out: list[str] = []  # where stop_timeline() writes the merged trace
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's: record from now on (every rank calls it). Each rank writes its own
-    events next to `file_path`; `stop_timeline()` merges them into `file_path` on rank 0.
-    asynclock has no cycles to mark: `mark_cycles` is accepted and ignored."""
+    """Horovod's: record a timeline from now on (every rank calls it).
+
+    Args:
+        file_path: where rank 0 writes the merged Chrome trace; each rank writes its
+            own events to `file_path.events` meanwhile.
+        mark_cycles: accepted for Horovod's signature; asynclock has no cycles to mark.
+    """
     coord = runtime.coordinator()
     timeline.start(f"{file_path}.events", rank=coord.rank, size=coord.size)
     _timeline_out[:] = [file_path]
@@ -484,7 +958,21 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
                            process_set: Any = None) -> Callable[[], torch.Tensor]:
     """Horovod's sparse allreduce: every rank's (index, value) pairs gathered, summed
     where indices repeat (`coalesce`), divided by the size for Average. As in
-    Horovod, the handle is a function: call it for the result."""
+    Horovod, the handle is a function: call it for the result.
+
+    Args:
+        tensor: a sparse COO tensor of the same dense shape on every rank.
+        name: the collective's name (its two allgathers are `name.indices` and
+            `name.values`); None: matched by issue order.
+        op: Average or Sum (Average divides the sum by the set's size).
+        process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
+
+    Returns:
+        A function of no arguments that waits and returns the sparse sum.
+
+    Raises:
+        ValueError: the name is in use, or `process_set` is not added.
+    """
     sparse = tensor.coalesce()
     api = api_of(process_set)
     indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()

@@ -32,7 +32,20 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 async def broadcast_parameters_async(coord: runtime.Coordinator, params: Any,
                                      root_rank: int = 0) -> None:
-    """Overwrite every tensor in `params` with root's, in place, all in flight at once."""
+    """Overwrite every tensor in `params` with root's, in place, all in flight at once.
+
+    Args:
+        coord: the running coordinator, on whose loop this runs.
+        params: a `state_dict()`, `named_parameters()`, or a list of tensors (named
+            `param.n`); entries that are no tensors are skipped. Each tensor's broadcast is
+            named after its key, so models that differ fail with MismatchError.
+        root_rank: the world rank whose values are sent.
+
+    Raises:
+        ValueError: `params` is neither a dict nor an iterable.
+        MismatchError: on every rank, where the ranks' tensors differ in name, shape or
+            dtype.
+    """
     handles: list[Handle] = []
     for name, tensor in _named_tensors(params):
         handles.append(coord.broadcast_async_(tensor, root_rank, name=name))
@@ -49,6 +62,16 @@ async def broadcast_optimizer_state_async(coord: runtime.Coordinator,
     one local step on zero gradients (`create_missing_state`), so that root's
     buffers have somewhere to go; then the whole state dict (hyperparameters too,
     also for a stateless optimizer) is broadcast and loaded.
+
+    Args:
+        coord: the running coordinator, on whose loop this runs.
+        optimizer: the optimizer (a `DistributedOptimizer` too); overwritten in place.
+        root_rank: the world rank whose values are sent.
+        model: the model, where it has sparse embeddings: their parameters get sparse
+            zero gradients when missing state is made.
+
+    Raises:
+        ValueError: the optimizer is `torch.optim.LBFGS`, whose state cannot be broadcast.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
@@ -90,13 +113,40 @@ def create_missing_state(optimizer: torch.optim.Optimizer, model: Any = None) ->
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
-    """`hvd.broadcast_parameters(model.state_dict(), root_rank=0)`."""
+    """`hvd.broadcast_parameters(model.state_dict(), root_rank=0)`: overwrite every
+    tensor in `params` with root's, in place (all in flight at once).
+
+    Args:
+        params: a `state_dict()`, `named_parameters()`, or a list of tensors (named
+            `param.n`); entries that are no tensors are skipped. Each tensor's broadcast is
+            named after its key, so models that differ fail with MismatchError.
+        root_rank: the world rank whose values are sent.
+
+    Raises:
+        ValueError: `params` is neither a dict nor an iterable.
+        MismatchError: on every rank, where the ranks' tensors differ in name, shape or
+            dtype.
+    """
     coord = runtime.coordinator()
     coord.run_sync(broadcast_parameters_async, coord, params, root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               model: Any = None) -> None:
-    """`hvd.broadcast_optimizer_state(optimizer, root_rank=0)`."""
+    """`hvd.broadcast_optimizer_state(optimizer, root_rank=0)`: root's optimizer
+    state (buffers and hyperparameters) on every rank.
+
+    A rank whose optimizer has no state yet first creates it with one local step on
+    zero gradients, as Horovod does.
+
+    Args:
+        optimizer: the optimizer (a `DistributedOptimizer` too); overwritten in place.
+        root_rank: the world rank whose values are sent.
+        model: the model, where it has sparse embeddings: their parameters get sparse
+            zero gradients when missing state is made.
+
+    Raises:
+        ValueError: the optimizer is `torch.optim.LBFGS`, whose state cannot be broadcast.
+    """
     coord = runtime.coordinator()
     coord.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank, model)

@@ -17,7 +17,15 @@ from ..._core.runtime import coordinator as runtime
 
 
 class ProcessSet:
-    """A set of world ranks that run collectives together (Horovod's class)."""
+    """A set of world ranks that run collectives together (Horovod's class).
+
+    It takes part in collectives once `add_process_set` (or `hvd.init(process_sets=)`)
+    made it on every rank.
+
+    Args:
+        ranks_or_comm: the world ranks (any order; kept sorted), or an mpi4py
+            communicator whose members it takes.
+    """
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         self.process_set_id: int | None = None
@@ -25,15 +33,27 @@ class ProcessSet:
         self.subset: Subset | None = None
 
     def size(self) -> int | None:
-        """The number of ranks in the set (None once it is removed)."""
+        """The number of ranks in the set.
+
+        Returns:
+            The count, or None once the set is removed.
+        """
         return None if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int | None:
-        """This process's rank within the set, -1 outside it (None before it is added)."""
+        """This process's rank within the set.
+
+        Returns:
+            The rank, -1 outside the set, or None before the set is added.
+        """
         return None if self.subset is None else self.subset.rank
 
     def included(self) -> bool | None:
-        """Whether this process belongs to the set (None before it is added)."""
+        """Whether this process belongs to the set.
+
+        Returns:
+            True or False, or None before the set is added.
+        """
         return None if self.subset is None else self.subset.included
 
     def invalidate(self) -> None:
@@ -63,7 +83,18 @@ _by_id: dict[int, ProcessSet] = {0: global_process_set}
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Make a set on every rank (a collective: all ranks, same order); returns it."""
+    """Make a set on every rank (a collective: all ranks, in the same order).
+
+    Args:
+        process_set: a `ProcessSet`, or the world ranks of a new one.
+
+    Returns:
+        The `ProcessSet`, with its id and channel.
+
+    Raises:
+        InvalidInputError: the set is empty, or a rank is outside the world.
+        NotImplementedError: the job does not run on asynclock's MPI transport.
+    """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     coord = runtime.coordinator()
     ranks = normalise(ps.ranks or [], coord.size)
@@ -74,7 +105,14 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Free a set's channel on every rank; False for the global set or an unknown one."""
+    """Free a set's channel on every rank (a collective).
+
+    Args:
+        process_set: an added set; it forgets its id, ranks and channel.
+
+    Returns:
+        True; False for the global set or one that is not added.
+    """
     ident = process_set.process_set_id
     if not ident or ident not in _by_id or process_set.subset is None:
         return False
@@ -86,15 +124,28 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def process_set_by_id(process_set_id: int) -> ProcessSet:
-    """The added `ProcessSet` with this id (0 is `global_process_set`); ValueError
-    for an unknown id, as in Horovod."""
+    """The added `ProcessSet` with this id.
+
+    Args:
+        process_set_id: the set's id (0 is `global_process_set`).
+
+    Returns:
+        The set.
+
+    Raises:
+        ValueError: no added set has this id, as in Horovod.
+    """
     if process_set_id not in _by_id:
         raise ValueError(f"No known process set with id {process_set_id}")
     return _by_id[process_set_id]
 
 
 def process_sets() -> list[ProcessSet]:
-    """The process sets added and not removed, by id (`global_process_set`, id 0, first)."""
+    """The process sets added and not removed.
+
+    Returns:
+        The sets by id (`global_process_set`, id 0, first).
+    """
     return [_by_id[i] for i in sorted(_by_id)]
 
 
