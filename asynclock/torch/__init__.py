@@ -110,14 +110,26 @@ from ._hvd.sync_batch_norm import SyncBatchNorm
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Horovod's `hvd.init()`: start this rank's coordinator (idempotent), then make
-    `process_sets` (a list of `ProcessSet`, or "dynamic" for `add_process_set` later,
-    which asynclock always allows)."""
+    the process sets.
+
+    Args:
+        comm: an mpi4py communicator to run on (None: the whole MPI world).
+        process_sets: a list of `ProcessSet`s to add now, or "dynamic" (sets added
+            later with `add_process_set`, which asynclock always allows); None: none.
+
+    Raises:
+        BackendError: the transport could not start.
+        InvalidInputError: a process set is empty or names a rank outside the world.
+    """
     runtime.init(comm=comm, policy=training_policy())
     setup_at_init(process_sets)
 
 
 def shutdown() -> None:
-    """Finish every optimizer's outstanding round, then shut the coordinator down."""
+    """Finish every optimizer's outstanding round, then shut the coordinator down.
+
+    Idempotent; `hvd.init()` may start a new coordinator after it.
+    """
     if runtime.is_initialized():
         quiesce_all()
     runtime.shutdown()
@@ -142,8 +154,15 @@ def _controller() -> str | None:
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI runs with MPI_THREAD_MULTIPLE, as Horovod's: where MPI is not enabled
-    (before `init()`, under `horovodrun --gloo`) it raises ValueError as Horovod does."""
+    """Whether MPI runs with MPI_THREAD_MULTIPLE, as Horovod's.
+
+    Returns:
+        True where the MPI library granted MPI_THREAD_MULTIPLE.
+
+    Raises:
+        ValueError: MPI is not enabled (before `init()`, under `horovodrun --gloo`),
+            as Horovod raises.
+    """
     if _controller() != "mpi":
         raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and "
                          "enabled.")
@@ -153,25 +172,41 @@ def mpi_threads_supported() -> bool:
 
 def mpi_enabled() -> bool:
     """True once `init()` made this job's collectives run over MPI: asynclock's MPI
-    transport, or Horovod's MPI controller under its Horovod transport."""
+    transport, or Horovod's MPI controller under its Horovod transport.
+
+    Returns:
+        Whether collectives run over MPI (False before `init()`).
+    """
     return _controller() == "mpi"
 
 
 def mpi_built() -> bool:
     """True when this job can run on MPI: mpi4py, asynclock's MPI binding, is installed
-    (as Horovod's says whether it was built with MPI, whatever the job runs on)."""
+    (as Horovod's says whether it was built with MPI, whatever the job runs on).
+
+    Returns:
+        Whether mpi4py is installed.
+    """
     return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
     """True once `init()` made this job run on Horovod's Gloo controller (`horovodrun
-    --gloo`, where asynclock's data stages go through Horovod)."""
+    --gloo`, where asynclock's data stages go through Horovod).
+
+    Returns:
+        Whether the job runs on Horovod's Gloo controller (False before `init()`).
+    """
     return _controller() == "gloo"
 
 
 def gloo_built() -> bool:
     """True when this job can run on Gloo: asynclock runs there through a Horovod built
-    with Gloo, so this is that Horovod's own `gloo_built()` (False without Horovod)."""
+    with Gloo, so this is that Horovod's own `gloo_built()` (False without Horovod).
+
+    Returns:
+        The installed Horovod's `gloo_built()`; False without Horovod.
+    """
     return _horovod_built("gloo_built")
 
 
@@ -200,7 +235,11 @@ def nccl_built() -> int:
     and a GPU of its own, agreed at `init()` (`asynclock.cuda.describe()` says which
     path and why); else 0: host staging, a CUDA-aware MPI, or Horovod's transport,
     whose data stages hand Horovod host buffers. Before `init()`: whether this rank
-    could, as far as it alone knows."""
+    could, as far as it alone knows.
+
+    Returns:
+        NCCL's version code, or 0.
+    """
     if runtime.is_initialized():
         path = getattr(_backend(), "device_path", None)
         usable = path is not None and path.path == "nccl"
@@ -223,19 +262,31 @@ def _nccl_version() -> int:
 def cuda_built() -> bool:
     """True when torch here is built with CUDA: collectives then take CUDA tensors,
     staged through pinned host memory or handed to a CUDA-aware MPI (see
-    `asynclock.cuda`), as a Horovod built with CUDA takes them."""
+    `asynclock.cuda`), as a Horovod built with CUDA takes them.
+
+    Returns:
+        Whether torch has CUDA.
+    """
     import torch
 
     return torch.version.cuda is not None
 
 
 def rocm_built() -> bool:
-    """False: asynclock has not been run on ROCm builds of torch."""
+    """False: asynclock has not been run on ROCm builds of torch.
+
+    Returns:
+        False.
+    """
     return False
 
 
 def is_homogeneous() -> bool:
-    """True, without checking (Horovod reports whether every host runs as many ranks)."""
+    """True, without checking (Horovod reports whether every host runs as many ranks).
+
+    Returns:
+        True.
+    """
     return True
 
 

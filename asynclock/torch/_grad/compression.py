@@ -16,18 +16,40 @@ import torch
 
 
 class Compressor:
-    """No compression: tensors travel in their own dtype."""
+    """No compression: tensors travel in their own dtype.
+
+    The base of `Compression.none`, `.fp16` and `.bf16`; a subclass sets `wire_dtype`,
+    the dtype floating-point tensors travel in.
+    """
 
     wire_dtype: torch.dtype | None = None
 
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The tensor as it travels.
+
+        Args:
+            tensor: the tensor to send.
+
+        Returns:
+            (the tensor in `wire_dtype`, the context `decompress` needs: the original
+            dtype); integer tensors and `wire_dtype=None` pass through with context None.
+        """
         if cls.wire_dtype is None or not tensor.dtype.is_floating_point:
             return tensor, None
         return tensor.to(cls.wire_dtype), tensor.dtype
 
     @classmethod
     def decompress(cls, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The received tensor in its original dtype.
+
+        Args:
+            tensor: what arrived.
+            ctx: the context `compress` returned.
+
+        Returns:
+            `tensor` cast back to the dtype it had before `compress`.
+        """
         return tensor if ctx is None else tensor.to(ctx)
 
 

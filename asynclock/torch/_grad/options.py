@@ -21,7 +21,24 @@ from .registry import ParamRegistry
 
 @dataclass(frozen=True)
 class Tuning:
-    """asynclock's own knobs; defaults suit CPU ranks sharing memory."""
+    """asynclock's own knobs for gradient buckets; defaults suit CPU ranks sharing memory.
+
+    Pass one as `tuning=` to `DistributedOptimizer` or `coord.train_step`.
+
+    Args:
+        bucket_cap_mb: cap of a gradient bucket, in MiB.
+        first_bucket_mb: cap of the first bucket, so communication starts early.
+        window_mb: MiB of buckets in flight at once (the credit window).
+        partition: cut large tensors at bucket boundaries, so front layers go first.
+        priority: launch front buckets first; None: on exactly when forward gating is on.
+        replan: re-plan the bucket layout from the gradient order rank 0 observes.
+        shm: gradient buckets through the node's shared-memory window when every rank
+            is on one node (MPI).
+        stall_s: seconds a step waits for its gradients before it logs a stall naming
+            the missing ranks (then at doubling intervals); default ASYNCLOCK_STALL_S.
+        timeout_s: seconds after which a step waiting for its gradients raises
+            CollectiveTimeout (None: never).
+    """
 
     bucket_cap_mb: float = 4.0
     first_bucket_mb: float = 1.0
@@ -44,6 +61,9 @@ def training_policy() -> ProgressPolicy:
     the same reason the spin after each issue stays at 50 µs (a bucket's
     header waits for the slowest rank's backward, often for milliseconds).
     ASYNCLOCK_BUSY_US and ASYNCLOCK_SPIN_US still win when set.
+
+    Returns:
+        The progress engine's policy `hvd.init()` uses.
     """
     policy = ProgressPolicy.from_env()
     if not settings.is_set("ASYNCLOCK_BUSY_US"):

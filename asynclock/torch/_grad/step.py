@@ -52,7 +52,19 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class TrainStepStatistics:
-    """Exact counters of one optimizer's reducer."""
+    """Exact counters of one optimizer's reducer (`step.statistics()`).
+
+    Attributes:
+        steps: `async with step:` blocks finished.
+        rounds: gradient rounds (reductions of every bucket) started.
+        buckets: buckets in the current plan.
+        plan_generation: how often the bucket layout was planned (re-plans included).
+        launched: buckets launched so far.
+        completed: buckets reduced so far.
+        in_flight_bytes: bucket bytes in flight now (bounded by `Tuning.window_mb`).
+        deferred_pending: whether a gated update waits to be applied.
+        updates_applied: optimizer updates applied (one per bucket where updates are).
+    """
 
     steps: int
     rounds: int
@@ -66,7 +78,40 @@ class TrainStepStatistics:
 
 
 class TrainStep:
-    """Reusable per optimizer; each `async with` block is one optimizer step."""
+    """Reusable per optimizer; each `async with` block is one optimizer step.
+
+    Made by `coord.train_step(optimizer, **options)`. The first entry makes the
+    gradient channel and the hooks, and checks parameters and options across ranks.
+
+    Args:
+        coord: the running coordinator; the step runs on its event loop.
+        optimizer: the plain torch optimizer (not a `DistributedOptimizer`).
+        model: the model; needed with `gate_forward=True` (its modules get the gates).
+        named_parameters: `model.named_parameters()`: names for error messages and stall
+            reports; names must be unique.
+        op: `Average` (default) or `Sum`.
+        compression: a `Compressor` for the gradients on the wire (`Compression.fp16`,
+            `.bf16`).
+        backward_passes_per_step: backward passes accumulated locally before each
+            reduction.
+        gradient_predivide_factor: Horovod's: divide by this before the sum, and by
+            size/factor after.
+        groups: Horovod's: an int (that many even groups) or lists of parameters reduced
+            together.
+        per_bucket_step: apply the optimizer to each bucket's parameters as soon as the
+            bucket is reduced.
+        gate_forward: leave the block once every bucket is launched; the next
+            `await step.forward(model, ...)` updates each layer just before it runs.
+        zero_grad: zero the gradients (to None) when the block ends.
+        tuning: asynclock's own knobs (None: `Tuning()`).
+        shard_optimizer: one copy of parameters and optimizer state per node (one node,
+            MPI, CPU parameters, an elementwise optimizer).
+
+    Raises:
+        ValueError: on every rank alike: `optimizer` is a `DistributedOptimizer`,
+            `gate_forward` without `model`, names that are not unique, groups that repeat
+            a parameter, Adasum, or `shard_optimizer` with what it cannot shard.
+    """
 
     def __init__(self, coord: Coordinator, optimizer: torch.optim.Optimizer, *,
                  model: torch.nn.Module | None = None, named_parameters: Any = None,
@@ -103,6 +148,11 @@ class TrainStep:
 
     @property
     def reducer(self) -> Reducer:
+        """The reducer (plan, scheduler) behind this step.
+
+        Raises:
+            RuntimeError: the step has not been entered yet.
+        """
         if self._reducer is None:
             raise RuntimeError("the train step has not been entered yet (`async with step:`)")
         return self._reducer
@@ -175,7 +225,13 @@ class TrainStep:
 
     async def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
                        retain_graph: bool | None = None) -> None:
-        """`loss.backward()` in a worker thread; buckets launch as gradients arrive."""
+        """`loss.backward()` in a worker thread; buckets launch as gradients arrive.
+
+        Args:
+            loss: the loss tensor.
+            gradient: passed to `loss.backward` (for a non-scalar loss).
+            retain_graph: passed to `loss.backward`.
+        """
         self._backwards += 1
         await anyio.to_thread.run_sync(partial(loss.backward, gradient, retain_graph))
 
@@ -184,13 +240,28 @@ class TrainStep:
 
         Needed with `gate_forward=True`: a gated layer may wait for its
         buckets, which must not block the event loop.
+
+        Args:
+            fn: the function to run, typically the model.
+            *args: passed to `fn`.
+            **kwargs: passed to `fn`.
+
+        Returns:
+            What `fn` returns.
         """
         result: T = await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
         return result
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate locally; the block's end reduces once."""
+        """Backward passes inside accumulate locally; the block's end reduces once.
+
+        Yields:
+            Nothing; the block runs with reduction off.
+
+        Raises:
+            RuntimeError: the step has not been entered yet.
+        """
         self.reducer.bucketer.no_sync_depth += 1
         try:
             yield
@@ -230,6 +301,14 @@ class TrainStep:
         await anyio.to_thread.run_sync(self.reducer.updates.flush)
 
     def statistics(self) -> TrainStepStatistics:
+        """This step's exact counters; no communication.
+
+        Returns:
+            Steps, rounds, buckets and bytes in flight.
+
+        Raises:
+            RuntimeError: the step has not been entered yet.
+        """
         r = self.reducer
         s = r.scheduler.statistics()
         launched, completed = r.bucket_counts()
@@ -244,7 +323,21 @@ _cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Coordinator, Trai
 
 def train_step(coord: Coordinator, optimizer: torch.optim.Optimizer,
                **options: Any) -> TrainStep:
-    """The train step of `optimizer` on `coord` (made once, then reused)."""
+    """The train step of `optimizer` on `coord` (made once, then reused).
+
+    Args:
+        coord: the running coordinator.
+        optimizer: the plain torch optimizer.
+        **options: the keyword arguments of `TrainStep` (`model`, `op`, `tuning`, ...);
+            a later call for the same optimizer passes the same ones, or none.
+
+    Returns:
+        The optimizer's `TrainStep` on `coord`.
+
+    Raises:
+        ValueError: the optimizer's step exists with other options, or the options
+            are invalid (see `TrainStep`).
+    """
     hit = _cache.get(optimizer)
     if hit is not None and hit[0] is coord and not coord._closed and not hit[1].closed:
         if options and options != hit[2]:

@@ -21,10 +21,17 @@ from .compile_exempt import eager
 
 
 def trace_module(model: torch.nn.Module, name: str = "forward") -> list[Any]:
-    """Record each call of `model` as a compute slice; returns the hook handles.
+    """Record each call of `model` as a compute slice in the timeline.
 
     `asynclock.torch.DistributedOptimizer(..., gate_forward=model)` does this for
     you; call it directly for a model the optimizer does not know.
+
+    Args:
+        model: the module whose forward calls to record (while a timeline records).
+        name: the slices' name in the trace.
+
+    Returns:
+        The two hook handles; `.remove()` them to stop recording.
     """
     starts: list[float] = []
 

@@ -992,10 +992,18 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
 
 
 def ccl_built() -> bool:
-    """False: asynclock has no oneCCL support (Horovod's `hvd.ccl_built()`)."""
+    """False: asynclock has no oneCCL support (Horovod's `hvd.ccl_built()`).
+
+    Returns:
+        False.
+    """
     return False
 
 
 def ddl_built() -> bool:
-    """False: asynclock has no IBM DDL support (Horovod's `hvd.ddl_built()`)."""
+    """False: asynclock has no IBM DDL support (Horovod's `hvd.ddl_built()`).
+
+    Returns:
+        False.
+    """
     return False

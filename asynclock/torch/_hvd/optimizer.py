@@ -264,8 +264,48 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          tuning: Tuning | None = None, shard_optimizer: bool = False) -> Any:
     """Wrap `optimizer` so that `step()` applies gradients averaged over all ranks.
 
-    `shard_optimizer=True` (one node, MPI): parameters and optimizer state are kept
-    once per node and each rank updates only the chunks it reduces (`shard`)."""
+    Args:
+        optimizer: the local optimizer; the result is an instance of a subclass of its
+            class, over the same parameter groups (`isinstance` and LR schedulers keep
+            working).
+        named_parameters: `model.named_parameters()`: names for error messages and stall
+            reports (None: `param.n`); names must be unique.
+        compression: a `Compressor` for the gradients on the wire (None:
+            `Compression.none`; `Compression.fp16`, `Compression.bf16`).
+        backward_passes_per_step: backward passes accumulated locally before each
+            reduction.
+        op: `Average` (default), `Sum`, or `Adasum` (then Horovod's Adasum optimizer,
+            which combines whole steps).
+        gradient_predivide_factor: Horovod's: divide by this before the sum, and by
+            size/factor after.
+        num_groups: Horovod's: reduce the parameters in this many even groups together
+            (0: no groups).
+        groups: Horovod's: an int as `num_groups`, or lists of parameters reduced together;
+            takes precedence over `num_groups`.
+        sparse_as_dense: accepted for Horovod's signature: sparse gradients always
+            travel dense.
+        process_set: average over this added `ProcessSet`'s members only (None: all
+            ranks); a rank outside it steps on its own gradients.
+        per_bucket_step: apply the optimizer to each bucket's parameters as soon as the
+            bucket is reduced.
+        gate_forward: the model: `step()` returns at once and each layer's next forward
+            waits only for its own parameters' updates.
+        tuning: asynclock's own knobs (None: `Tuning()`).
+        shard_optimizer: one copy of parameters and optimizer state per node (one node,
+            MPI, CPU parameters, an elementwise optimizer): each rank updates only the
+            chunks it reduces.
+
+    Returns:
+        The distributed optimizer. Beyond the local optimizer's methods it has
+        `synchronize()`, `skip_synchronize()`, `set_backward_passes_per_step(n)` (Horovod's),
+        `no_sync()`, `apply_pending()` and `set_forward_gate(enabled)`.
+
+    Raises:
+        ValueError: on every rank alike, for an invalid combination: names that are
+            not unique or miss a parameter, groups that repeat or name no parameter of
+            the optimizer, `shard_optimizer` with what it cannot shard, an unregistered
+            or already served process set, or `torch.optim.SparseAdam`.
+    """
     if is_adasum(op):
         from .adasum_optimizer import adasum_optimizer
 

@@ -29,8 +29,16 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class SyncBatchNorm(_BatchNorm):
-    """Horovod's `hvd.SyncBatchNorm(num_features, eps, momentum, affine,
-    track_running_stats)`: training statistics over all ranks; eval as usual."""
+    """Horovod's `hvd.SyncBatchNorm`: training statistics over all ranks; eval as usual.
+
+    Its collectives run on the coordinator's model lane, so every rank must run the
+    layer in the same order; from the async API, call the model in a worker thread.
+
+    Args:
+        *args: `num_features`, `eps`, `momentum`, `affine`, `track_running_stats`, as
+            `torch.nn.BatchNorm1d`'s.
+        **kwargs: the same, by keyword (`device` and `dtype` too).
+    """
 
     _eager_forward = False
 
@@ -46,6 +54,19 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise `x` with the mean and variance over every rank's batch
+        (in training; in eval, with the running statistics).
+
+        Args:
+            x: a batch of at least two dimensions, channels in dim 1.
+
+        Returns:
+            The normalised batch.
+
+        Raises:
+            ValueError: `x` has fewer than two dimensions.
+            NotInitializedError: `hvd.init()` has not run.
+        """
         self._check_input_dim(x)
         coord = runtime.coordinator()
         if not self.training or coord.size == 1:
@@ -60,7 +81,14 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module) -> torch.nn.Module:
-        """Every BatchNorm*d in `module` replaced by a SyncBatchNorm with its state."""
+        """Every BatchNorm*d in `module` replaced by a SyncBatchNorm with its state.
+
+        Args:
+            module: a model, or a single batch-norm layer; changed in place.
+
+        Returns:
+            `module` (a new SyncBatchNorm where `module` itself is a batch-norm layer).
+        """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             new = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats)
