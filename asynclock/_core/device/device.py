@@ -59,7 +59,11 @@ def _import_torch() -> Any:
 
 
 def available() -> bool:
-    """True when torch is installed with CUDA and sees at least one GPU."""
+    """True when torch is installed with CUDA and sees at least one GPU.
+
+    Returns:
+        Whether a CUDA device can be used (imports torch).
+    """
     torch = _import_torch()
     return bool(torch is not None and torch.cuda.is_available())
 
@@ -78,13 +82,18 @@ def set_device(local_rank: int | None = None) -> int | None:
 
     One rank per GPU when there are enough GPUs; several ranks share a GPU
     otherwise (each gets its own context, streams and pinned buffers, which
-    is all asynclock needs). `local_rank=None` uses the coordinator's local
-    rank when asynclock is initialised, else the launcher's environment.
-    Returns the device index, or None on a machine without CUDA.
+    is all asynclock needs).
 
     CUDA's current device is per host thread: asynclock's own CUDA calls
     always name the tensor's device explicitly, so the engine's loop thread
     does not need this call.
+
+    Args:
+        local_rank: this rank's index on its node; None: the coordinator's local rank
+            when asynclock is initialised, else the launcher's environment.
+
+    Returns:
+        The device index, or None on a machine without CUDA.
     """
     torch = _import_torch()
     if torch is None or not torch.cuda.is_available():

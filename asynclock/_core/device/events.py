@@ -21,13 +21,18 @@ from .device import active_torch, blocking_event
 
 
 def record(where: Any = None) -> Any:
-    """Record an event on a stream now; None when there is no CUDA work.
+    """Record an event on a stream now.
 
-    `where` picks the stream: None for the current stream of the current
-    device, a CUDA tensor for the current stream of its device, a
-    `torch.cuda.Stream`, or a device. Events are made with `blocking=True`
-    (cudaEventBlockingSync) so that a thread that synchronizes on one
-    sleeps in the driver instead of spinning a core.
+    Events are made with `blocking=True` (cudaEventBlockingSync) so that a thread
+    that synchronizes on one sleeps in the driver instead of spinning a core.
+
+    Args:
+        where: the stream: None for the current stream of the current device, a CUDA
+            tensor for the current stream of its device, a `torch.cuda.Stream`, or a device.
+
+    Returns:
+        The event, or None when there is no CUDA work (torch not imported, CUDA
+        not initialised, or a CPU tensor or device).
     """
     torch = active_torch()
     if torch is None:
@@ -53,8 +58,13 @@ def resolve_stream(torch: Any, where: Any) -> Any:
 def stream_wait(consumer: Any = None, event: Any = None) -> None:
     """Make `consumer` wait for `event` on the GPU; the CPU does not wait.
 
-    `consumer` is resolved like `record`'s `where`; None means the current
-    stream of the event's device. A None event (CPU work) is a no-op.
+    Args:
+        consumer: the waiting stream, resolved like `record`'s `where`; None: the
+            current stream of the event's device.
+        event: the event to wait for; None (CPU work) is a no-op.
+
+    Raises:
+        RuntimeError: an event is given but CUDA is not initialised.
     """
     if event is None:
         return
@@ -95,7 +105,12 @@ class BucketSync:
         self.device: Any = None
 
     def mark_ready(self, where: Any = None) -> None:
-        """Record `ready` on the producer's stream (see `record`)."""
+        """Record `ready` on the producer's stream.
+
+        Args:
+            where: the stream: None for the current stream of the current device, a CUDA
+                tensor for the current stream of its device, a `torch.cuda.Stream`, or a device.
+        """
         self.ready = record(where)
         self.done = None
         if self.ready is not None:
@@ -103,7 +118,11 @@ class BucketSync:
 
     @contextmanager
     def comm(self) -> Iterator[BucketSync]:
-        """Collectives started inside stage after `ready` and report `done` here."""
+        """Collectives started inside stage after `ready` and report `done` here.
+
+        Yields:
+            This `BucketSync`.
+        """
         token = _BUCKET_SYNC.set(self)
         try:
             yield self
@@ -111,10 +130,14 @@ class BucketSync:
             _BUCKET_SYNC.reset(token)
 
     def consume(self, where: Any = None) -> None:
-        """Make the consumer's stream (default: current, bucket's device) wait for `done`.
+        """Make the consumer's stream wait for `done`.
 
         It also retires `ready`, so a step that forgets `mark_ready` stages
         after the current stream instead of after last step's producer.
+
+        Args:
+            where: the consumer's stream, as `record`'s `where`; None: the current stream
+                of the bucket's device.
         """
         self.ready = None
         stream_wait(self.device if where is None else where, self.done)

@@ -42,12 +42,19 @@ _MPIX_GPU_SUPPORT_CUDA = 0
 
 @dataclass(frozen=True, slots=True)
 class CudaSupport:
-    """What the MPI library says about device buffers, and what we do about it."""
+    """What the MPI library says about device buffers, and what asynclock does about it.
 
-    library: str       # "mpich", "openmpi", "other" or "none"
-    cuda_aware: bool   # the library accepts device pointers at all
-    direct: bool       # asynclock passes device buffers to its collectives
-    how: str           # how this was decided, for logs and `describe()`
+    Attributes:
+        library: "mpich", "openmpi", "other" or "none".
+        cuda_aware: whether the library accepts device pointers at all.
+        direct: whether asynclock passes device buffers to its collectives.
+        how: how this was decided, for logs and `describe()`.
+    """
+
+    library: str
+    cuda_aware: bool
+    direct: bool
+    how: str
 
 
 def _mpi() -> Any:
@@ -126,7 +133,11 @@ _DETECTED: CudaSupport | None = None
 
 
 def cuda_support() -> CudaSupport:
-    """Detect once per process; before MPI is initialised it reports 'none' uncached."""
+    """How this process's MPI handles device buffers; detected once per process.
+
+    Returns:
+        The answer; before MPI is initialised, library "none" (not cached).
+    """
     global _DETECTED
     if _DETECTED is None:
         MPI = _mpi()  # noqa: N806
@@ -150,6 +161,10 @@ def horovod_gpu() -> str | None:
 
     Only inspects an already imported `horovod.torch` (importing Horovod
     initialises its library), so this costs nothing otherwise.
+
+    Returns:
+        "nccl", "cuda", or None where Horovod is not loaded or has no GPU
+        operations.
     """
     hvd = sys.modules.get("horovod.torch")
     if hvd is None:
@@ -160,7 +175,11 @@ def horovod_gpu() -> str | None:
 
 
 def describe() -> str:
-    """One line for logs: how CUDA tensors travel in this process, and why."""
+    """One line for logs: how CUDA tensors travel in this process, and why.
+
+    Returns:
+        A line naming the path CUDA tensors take, the MPI library and why.
+    """
     s = cuda_support()
     chosen = chosen_device_path()
     if chosen is not None and chosen.backend is not None:

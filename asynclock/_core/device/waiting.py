@@ -47,7 +47,15 @@ from .device import active_torch, blocking_event
 
 @dataclass(frozen=True, slots=True)
 class WaitPolicy:
-    """How `wait` waits (env: ASYNCLOCK_CUDA_WAIT, _CUDA_BUSY_US, _CUDA_MAX_SLEEP_US)."""
+    """How `wait` waits (env: ASYNCLOCK_CUDA_WAIT, _CUDA_BUSY_US, _CUDA_MAX_SLEEP_US).
+
+    Attributes:
+        mode: "auto", "poll" or "thread" (see the module's description).
+        busy_s: seconds of bare yields between queries before sleeping.
+        min_sleep_s: the shortest sleep between queries.
+        max_sleep_s: the longest sleep between queries.
+        sleep_fraction: past the busy phase, sleep this share of the time waited.
+    """
 
     mode: str = "auto"
     busy_s: float = 1e-3
@@ -57,17 +65,36 @@ class WaitPolicy:
 
     @classmethod
     def from_env(cls) -> WaitPolicy:
+        """The defaults, with the environment's settings applied.
+
+        Returns:
+            A policy with ASYNCLOCK_CUDA_WAIT, _CUDA_BUSY_US and _CUDA_MAX_SLEEP_US read.
+        """
         return cls(mode=settings.text("ASYNCLOCK_CUDA_WAIT"),
                    busy_s=settings.number("ASYNCLOCK_CUDA_BUSY_US") * 1e-6,
                    max_sleep_s=settings.number("ASYNCLOCK_CUDA_MAX_SLEEP_US") * 1e-6)
 
     def backoff(self, start: float) -> Backoff:
-        """The pauses of one wait that began at `start` (`time.perf_counter()`)."""
+        """The pauses of one wait.
+
+        Args:
+            start: when the wait began (`time.perf_counter()`).
+
+        Returns:
+            A fresh `Backoff` for that wait.
+        """
         return Backoff(self.min_sleep_s, self.max_sleep_s, share=self.sleep_fraction,
                        busy_s=self.busy_s, since=start)
 
     def next_sleep(self, waited: float) -> float:
-        """0 (a bare yield) while busy, then a sleep growing with the wait."""
+        """The pause after waiting `waited` seconds.
+
+        Args:
+            waited: seconds waited so far.
+
+        Returns:
+            0 (a bare yield) while busy, then a sleep growing with the wait.
+        """
         return self.backoff(0.0).next_sleep(waited)
 
 
@@ -76,7 +103,15 @@ MODES = ("auto", "poll", "thread")
 
 @dataclass(frozen=True, slots=True)
 class WaitStatistics:
-    """Process-wide counts, for tests and tuning."""
+    """Process-wide counts of `wait`, for tests and tuning.
+
+    Attributes:
+        waits: calls of `wait`.
+        immediate: calls that returned at once (no event, or already done).
+        queries: event queries.
+        thread_waits: waits handed to a helper thread.
+        in_progress: waits in progress now.
+    """
 
     waits: int
     immediate: int
@@ -98,7 +133,11 @@ _POLICY: WaitPolicy | None = None
 
 def statistics() -> WaitStatistics:
     """This process's `wait` counts so far: calls, those that returned at once, event
-    queries, waits handed to a helper thread, and waits in progress now."""
+    queries, waits handed to a helper thread, and waits in progress now.
+
+    Returns:
+        The counts.
+    """
     c = _COUNT
     return WaitStatistics(c.waits, c.immediate, c.queries, c.thread_waits, c.in_progress)
 
@@ -133,10 +172,16 @@ async def wait(target: Any = None, *, timeout: float | None = None,
                policy: WaitPolicy | None = None) -> None:
     """Return once the GPU work behind `target` finished; the loop stays live.
 
-    `target`: None (returns at once), a `torch.cuda.Event` or anything with
-    `query()`, or a `torch.cuda.Stream` (waits for the work queued on it so
-    far). `timeout` raises `CollectiveTimeout` naming the event; the GPU
-    work itself is not affected.
+    Args:
+        target: None (returns at once), a `torch.cuda.Event` or anything with
+            `query()`, or a `torch.cuda.Stream` (waits for the work queued on it so far).
+        timeout: seconds to wait; None waits for ever.
+        policy: how to wait (None: `WaitPolicy.from_env()`, read once).
+
+    Raises:
+        CollectiveTimeout: not done within `timeout`; the GPU work itself goes on.
+        TypeError: `target` is no event or stream.
+        RuntimeError: a stream is given but CUDA is not initialised.
     """
     event = as_event(target)
     _COUNT.waits += 1
