@@ -182,6 +182,13 @@ def test_retention_and_no_temp_files(tmp_path: Path) -> None:
     assert (tmp_path / LATEST).read_text().strip() == complete_sets(tmp_path)[0].name
 
 
+def test_unknown_serializer_is_refused_when_made() -> None:
+    """Every rank makes its checkpointer alike, so a bad serializer fails on every rank
+    there, not at the first save on the ranks that write while the others wait."""
+    with pytest.raises(ValueError, match="serializer 'json'"):
+        Checkpointer(None, "unused", serializer="json")  # type: ignore[arg-type]
+
+
 def test_empty_directory_loads_none(tmp_path: Path) -> None:
     assert find_latest(tmp_path) is None
     assert _load_local(tmp_path / "missing") is None

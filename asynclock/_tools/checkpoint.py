@@ -242,13 +242,15 @@ class Checkpointer:
         serializer: `"torch"` (`torch.save`/`torch.load`) or `"pickle"`.
 
     Raises:
-        ValueError: `keep` is below 1.
+        ValueError: `keep` is below 1, or `serializer` is neither "torch" nor "pickle".
     """
 
     def __init__(self, coord: Coordinator, directory: Path | str, *, keep: int = 2,
                  sharded: bool = False, serializer: str = "torch") -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if serializer not in ("torch", "pickle"):  # here, where every rank makes one alike
+            raise ValueError(f"unknown serializer {serializer!r}: use 'torch' or 'pickle'")
         self.coord = coord
         self.directory = Path(directory)
         self.keep = keep
@@ -278,7 +280,6 @@ class Checkpointer:
             CheckpointError: on every rank, where ranks pass different steps, a rank
                 could not write its file, or rank 0 could not complete the set; the
                 previous complete set stays.
-            ValueError: the serializer is neither "torch" nor "pickle".
         """
         path = await self._agree(step)
         mine = await self._write_mine(path, state)

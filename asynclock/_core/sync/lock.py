@@ -68,7 +68,6 @@ class Lock(Permits):
             CollectiveTimeout: not acquired within `timeout`; names the holder and
                 the other waiters.
             RankFailedError: the home rank or a holder did not answer a liveness probe.
-            MismatchError: this rank and the home rank made the lock differently.
         """
         self._refuse_reentry()
         await super().acquire(timeout)
