@@ -1,5 +1,6 @@
 """The documentation site builds with `mkdocs build --strict`: no broken links or
-anchors, no page left out of the nav, and the API reference imports asynclock."""
+anchors, no page left out of the nav, and the API reference imports asynclock and
+renders the docstrings' parameter, return and exception sections."""
 
 from __future__ import annotations
 
@@ -42,3 +43,8 @@ def test_docs_build_strict(tmp_path: Path) -> None:
         f"mkdocs build --strict failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "reference" / "asynclock" / "index.html").is_file()
+    for page, least in (("asynclock", 25), ("torch", 40), ("cuda", 5)):
+        html = (tmp_path / "site" / "reference" / page / "index.html").read_text()
+        for section in ("Parameters:", "Returns:", "Raises:"):
+            found = html.count(f'doc-section-title">{section}<')
+            assert found >= (least if section == "Parameters:" else 1), (page, section, found)
