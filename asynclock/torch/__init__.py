@@ -118,7 +118,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             later with `add_process_set`, which asynclock always allows); None: none.
 
     Raises:
-        BackendError: the transport could not start.
+        ValueError: an ASYNCLOCK_* value is invalid.
+        MismatchError: on every rank, where settings that must agree differ.
         InvalidInputError: a process set is empty or names a rank outside the world.
     """
     runtime.init(comm=comm, policy=training_policy())

@@ -34,8 +34,8 @@ class Tuning:
         replan: re-plan the bucket layout from the gradient order rank 0 observes.
         shm: gradient buckets through the node's shared-memory window when every rank
             is on one node (MPI).
-        stall_s: seconds a step waits for its gradients before it logs a stall naming
-            the missing ranks (then at doubling intervals); default ASYNCLOCK_STALL_S.
+        stall_s: seconds a step waits for its gradients before it logs what it waits
+            for (then at doubling intervals); default ASYNCLOCK_STALL_S.
         timeout_s: seconds after which a step waiting for its gradients raises
             CollectiveTimeout (None: never).
     """

@@ -519,7 +519,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         process_set: the ranks that take part: an added `ProcessSet` (None: all ranks).
 
     Returns:
-        Root's object, unpickled on every rank (root's own is returned as is).
+        Root's object, unpickled on every rank (root gets a copy too).
 
     Raises:
         ValueError: the name is in use, or `process_set` is not added.
