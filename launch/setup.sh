@@ -19,11 +19,12 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pipi "torch==2.13.0" || pipi "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 
-want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout tqdm matplotlib scikit-learn mock
+want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout pytest-xdist tqdm matplotlib scikit-learn mock
       ruff mypy import-linter mkdocs-material "mkdocstrings[python]")
 missing=()
 for pkg in "${want[@]}"; do
   mod=${pkg//-/_}; [ "$pkg" = scikit-learn ] && mod=sklearn; [ "$pkg" = pytest-timeout ] && mod=pytest_timeout
+  [ "$pkg" = pytest-xdist ] && mod=xdist
   [ "$pkg" = import-linter ] && mod=importlinter; [ "$pkg" = mkdocs-material ] && mod=material
   [ "$pkg" = "mkdocstrings[python]" ] && mod=mkdocstrings_handlers.python
   [ "$pkg" = mpich ] && { ls .venv/lib/libmpi.so* >/dev/null 2>&1 || missing+=("$pkg"); continue; }

@@ -19,6 +19,10 @@ from mpijob import PROGRAMS, ROOT, processes_with
 from asynclock import jobwatch, launch
 from asynclock._tools import mpi_select, rank_output
 
+# Launcher jobs here are timed, and killed, as wholes: they run in launch/test.sh's serial
+# phase, not beside other tests' jobs.
+pytestmark = pytest.mark.serial
+
 KINDS = [k for k, ok in mpi_select.available().items() if ok]
 HELLO = str(PROGRAMS / "launch_hello.py")
 HVD = str(PROGRAMS / "launch_hvd.py")

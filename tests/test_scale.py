@@ -21,7 +21,8 @@ pytestmark = pytest.mark.mpi
 STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
 
 
-@pytest.mark.parametrize("nranks, loop", [(4, "asyncio"), (8, "trio")])
+@pytest.mark.parametrize("nranks, loop", [(4, "asyncio"),
+                                          pytest.param(8, "trio", marks=pytest.mark.slow)])
 def test_error_trials(nranks: int, loop: str) -> None:
     trials = "100" if nranks == 4 else "40"
     job = run_job("error_trials.py", nranks, "--trials", trials,
@@ -30,7 +31,7 @@ def test_error_trials(nranks: int, loop: str) -> None:
     assert f"mpi: {trials} trials" in job.output, job.explain()
 
 
-@pytest.mark.parametrize("nranks", [4, 8])
+@pytest.mark.parametrize("nranks", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_small_collectives(nranks: int) -> None:
     job = run_job("small_calls.py", nranks, timeout=240)
     assert_labels(job, nranks, "folds", "hand_off", "mismatch_after_hand_off",
