@@ -365,7 +365,7 @@ def summarize(launcher: str, model: str, fp16: bool,
                            "compression": "fp16" if fp16 else "none", "runs": runs}
     for lib, rs in runs.items():
         ok = [r["img_sec"] for r in rs if "img_sec" in r]
-        row[lib] = statistics.median(ok) if len(ok) == len(rs) else None
+        row[lib] = statistics.median(ok) if ok and len(ok) == len(rs) else None
         row[f"{lib}_warnings"] = sum(r["warnings"] for r in rs)
     if row["horovod"] and row["asynclock"]:
         row["ratio"] = row["asynclock"] / row["horovod"]

@@ -2,7 +2,10 @@
 
 Run: mpiexec -n 2 python bench/train.py [--json PATH] [--models mlp,cnn]
      (Horovod needs its MPI: eval "$(python3 mpi/mpi_select.py env system)" and
-      $(python3 mpi/mpi_select.py launcher system -n 2) python bench/train.py)
+      $(python3 mpi/mpi_select.py launcher system -n 2) python bench/train.py;
+      `horovodrun -np 2 python bench/train.py` runs it on that MPI too. Under
+      `horovodrun --gloo` there is no MPI world to time over: bench/hvd_synthetic.py
+      runs these models through Horovod's own loop there, Horovod vs asynclock)
 
 Every method trains its own copy of the same model (same init, same data,
 SGD with momentum, one torch thread per rank) in the same job. Methods take
@@ -48,9 +51,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from mpi4py import MPI
-from timing import Stopwatch, median
+if __name__ == "__main__" and os.environ.get("HOROVOD_CONTROLLER") == "gloo":
+    # Every method here times and agrees over an MPI world, which `horovodrun --gloo`
+    # does not start: each rank would train alone.
+    sys.exit("bench/train.py needs an MPI world; under `horovodrun --gloo` run its models "
+             "through Horovod's own loop: python bench/hvd_synthetic.py --launchers gloo "
+             "--models mlp,cnn")
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from timing import Stopwatch, median  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 Step = Callable[[], None]

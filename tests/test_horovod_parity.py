@@ -6,7 +6,8 @@ user under `horovodrun`, beside Horovod 0.28.1 itself.
   under `horovodrun --gloo` and under `horovodrun` with MPI.
 - A synthetic-benchmark-like loop under `horovodrun --gloo`, long enough that unique
   names would overflow Horovod's 1024-entry response cache, prints no Horovod warning,
-  and Horovod answers its gradient buckets from the cache (its own timeline says so).
+  and Horovod answers its gradient buckets from the cache (its own timeline says so);
+  asynclock started Horovod with its defaults (5 ms cycle, group fusion off).
 """
 
 from __future__ import annotations
@@ -68,3 +69,7 @@ def test_synthetic_loop_under_horovodrun_gloo_fills_no_cache_and_warns_nothing(
     # each name's first use (a bucket's per plan, a metric slot's, the final allgather).
     assert rate["negotiations"] >= 40 * 64, rate
     assert rate["hit_rate"] >= 0.85, rate
+    # asynclock started Horovod with its own cycle time and group fusion off (nothing
+    # set by the user here), on every rank
+    settings = set(re.findall(r"HVD_SETTINGS (\d+) (.*)", job.output))
+    assert settings == {(str(r), "cycle=5 group_fusion_off=1") for r in (0, 1)}, job.explain()

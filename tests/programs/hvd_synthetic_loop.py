@@ -8,12 +8,14 @@ rank 0's parameters and optimizer state broadcast first), then again with
 `Compression.fp16`; each step also averages a named and an unnamed metric of 64
 floats, as `pytorch_mnist.py` does. Each phase checks that every rank holds the same
 parameters, then reports `fp32` / `fp16`. The test reads Horovod's warnings from the
-job's output and its cache hits from HOROVOD_TIMELINE.
+job's output and its cache hits from HOROVOD_TIMELINE; each rank prints the cycle time
+and group fusion setting Horovod was initialized with (`HVD_SETTINGS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -60,6 +62,9 @@ def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     rank = hvd.rank()
+    # what Horovod was started with: asynclock's defaults where the user set nothing
+    print(f"HVD_SETTINGS {rank} cycle={os.environ.get('HOROVOD_CYCLE_TIME')} "
+          f"group_fusion_off={os.environ.get('HOROVOD_DISABLE_GROUP_FUSION')}", flush=True)
     phase(args.steps, hvd.Compression.none, "fp32")
     phase(args.steps, hvd.Compression.fp16, "fp16")
     hvd.shutdown()

@@ -47,14 +47,25 @@ round as numbers, so nothing is unpickled on the way.
 
 Horovod's knobs (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD,
 HOROVOD_TIMELINE, HOROVOD_CACHE_CAPACITY, ...) are read by Horovod from the
-environment; asynclock sets one default, and only when it initializes Horovod
-itself: HOROVOD_DISABLE_GROUP_FUSION=1 (`GROUP_DEFAULTS`). Gradient buckets go
-as Horovod groups (`torch.grouped`); fused with other groups, a bucket's
-place in Horovod's fusion buffer, and with it the order in which 3+ ranks sum
-each element, would depend on which buckets happened to be ready in the same
-cycle, so the same gradients could round differently run to run (and gated
-and plain updates would not be bit-identical under `horovodrun --gloo` at 3
-ranks). Turning group fusion off costs no measurable throughput (benchmarks page).
+environment; asynclock sets two defaults, and only when it initializes Horovod
+itself (`HOROVOD_DEFAULTS`; the user's own setting wins):
+
+- HOROVOD_DISABLE_GROUP_FUSION=1. Gradient buckets go as Horovod groups
+  (`torch.grouped`); fused with other groups, a bucket's place in Horovod's
+  fusion buffer, and with it the order in which 3+ ranks sum each element,
+  would depend on which buckets happened to be ready in the same cycle, so the
+  same gradients could round differently run to run (and gated and plain
+  updates would not be bit-identical under `horovodrun --gloo` at 3 ranks).
+  Turning group fusion off costs no measurable throughput (benchmarks page).
+- HOROVOD_CYCLE_TIME=5 (ms). Horovod's background thread runs a coordination
+  round every cycle, busy or idle: allreduces of its cache bits, whose messages
+  keep gloo's receive thread waking as well. On ranks whose cores also train,
+  that CPU comes out of backward. Here no header, barrier or small collective
+  waits for a cycle (they travel over MPI or the TCP mesh), and gradient buckets
+  are already the size Horovod's fusion would make of a cycle's tensors, so a
+  longer cycle only delays each data stage's start by up to one cycle, while
+  the coordination's CPU falls with the number of cycles (benchmarks page,
+  issue 39).
 """
 
 from __future__ import annotations
@@ -92,7 +103,8 @@ Enqueue = Callable[[], int]  # a launch with its name bound
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
 _PAUSE_SHARE = 0.1  # a wait sleeps at most this share of its time so far between polls
-GROUP_DEFAULTS = {"HOROVOD_DISABLE_GROUP_FUSION": "1"}  # see the module docstring
+# What asynclock sets when it initializes Horovod, unless set: see the module docstring.
+HOROVOD_DEFAULTS = {"HOROVOD_DISABLE_GROUP_FUSION": "1", "HOROVOD_CYCLE_TIME": "5"}
 # An unnamed stage takes the first of its signature's names last used at least this many
 # stages back on the channel: enough names for a burst of equal stages in flight at once,
 # few enough that a step's stages come back to the same names.
@@ -606,7 +618,7 @@ class HorovodBackend:
             if mpi.thread_level < MPI.THREAD_MULTIPLE:
                 raise BackendError("the Horovod backend needs MPI_THREAD_MULTIPLE (mpi4py's "
                                    f"default); MPI was initialized with level {mpi.thread_level}")
-        for key, value in GROUP_DEFAULTS.items():
+        for key, value in HOROVOD_DEFAULTS.items():
             os.environ.setdefault(key, value)  # the user's own setting wins
         before = GlooSockets.snapshot() if mpi is None else {}
         try:
