@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -213,17 +214,17 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
 
     hot_seen = 0  # calls the C hot call ran, counted call by call: a hand-off remakes it
 
-    async def counted(call: Awaitable[T]) -> T:
+    async def counted(call: Callable[[], Awaitable[T]]) -> T:
         nonlocal hot_seen
-        before = hot_calls()
-        out = await call
+        before = hot_calls()  # read before the call: a hot call runs whole when it is made
+        out = await call()
         hot_seen += int(hot_calls() > before)
         return out
 
     async def reduce(t: torch.Tensor, value: float, times: int = 3) -> None:
         for _ in range(times):
             t.fill_(value)
-            await counted(c.allreduce_(t))
+            await counted(partial(c.allreduce_, t))
             assert torch.equal(t, torch.full_like(t, value * n)), (t, value)
 
     t = torch.ones(2)
@@ -238,7 +239,7 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
     hot_seen = 0
     for i in range(4):  # a new tensor each call, as a loop's loss
         fresh = torch.full((2,), float(i))
-        assert await counted(c.allreduce_(fresh)) is fresh
+        assert await counted(partial(c.allreduce_, fresh)) is fresh
         assert torch.equal(fresh, torch.full((2,), i * n))
     runs_hot = runs_hot and hot_seen >= 1
     t.data = t.view(torch.int32)  # same memory, another dtype
@@ -261,7 +262,7 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
     hot_seen = 0
     for i in range(4):
         src = torch.full((3,), float(c.rank + i))
-        got = await counted(c.allreduce(src))
+        got = await counted(partial(c.allreduce, src))
         assert got is not src and torch.equal(src, torch.full((3,), float(c.rank + i)))
         assert torch.equal(got, torch.full((3,), i * n + tri(c.size))), (i, got)
     for i in range(4):
@@ -288,7 +289,8 @@ async def check_hot_call(c: asynclock.Coordinator) -> None:
     async def reduce_array(value: float, times: int = 3) -> None:
         for _ in range(times):
             x[...] = value
-            assert await counted(c.allreduce_(x)) is x and (x == value * n).all(), (x, value)
+            assert await counted(partial(c.allreduce_, x)) is x
+            assert (x == value * n).all(), (x, value)
 
     await reduce_array(1.0)
     hot_seen = 0
