@@ -91,7 +91,28 @@ class Collectives:
     # -- allreduce -------------------------------------------------------------
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Handle:
-        """Start an out-of-place allreduce; `await` the handle for the result."""
+        """Start an out-of-place allreduce.
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives the reduction as a new tensor (or array) of
+            `tensor`'s type, shape and dtype.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `op` is unknown or Adasum; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         rop = self._reduce_op(op, name)
         buf = self._buffer(Kind.ALLREDUCE, tensor, name, op=int(rop))
         out = empty_like_code(buf.code, buf.array.size)
@@ -100,7 +121,27 @@ class Collectives:
 
     def allreduce_async_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Handle:
-        """Start an in-place allreduce; the handle resolves to `tensor` itself."""
+        """Start an in-place allreduce.
+
+        Args:
+            tensor: a writable torch tensor or numpy array, of the same shape and dtype on
+                every rank; it receives the result.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives `tensor` itself, holding the reduction.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `op` is unknown or Adasum; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         rop = self._reduce_op(op, name)
         buf = self._buffer(Kind.ALLREDUCE, tensor, name, writable=True, op=int(rop))
         return self._submit(ops.AllreduceOp(self._lane, self._call(
@@ -108,7 +149,30 @@ class Collectives:
 
     async def allreduce(self, tensor: Any, op: ReduceOp | str = "sum", *,
                         name: str | None = None) -> Any:
-        """Reduce `tensor` across ranks into a new tensor."""
+        """Reduce `tensor` across ranks into a new tensor.
+
+        Small tensors usually finish inside the call (the small-message path); larger
+        ones are awaited without blocking the loop.
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            The reduction, of `tensor`'s type, shape and dtype.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `op` is unknown or Adasum (use `adasum`); the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         result = self._small.allreduce(tensor, op, name, False)
         if result is NOT_SMALL:
@@ -117,7 +181,27 @@ class Collectives:
 
     async def allreduce_(self, tensor: Any, op: ReduceOp | str = "sum", *,
                          name: str | None = None) -> Any:
-        """Reduce `tensor` across ranks in place and return it."""
+        """Reduce `tensor` across ranks in place.
+
+        Args:
+            tensor: a writable torch tensor or numpy array, of the same shape and dtype on
+                every rank; it receives the result.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            `tensor`, holding the reduction.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `op` is unknown or Adasum (use `adasum`); the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         # The small-call path counts the call and yields every YIELD_MASK + 1th itself
         # (`SmallCalls.allreduce`): a loop's flag or loss, reduced step after step,
         # takes no more Python than this.
@@ -149,7 +233,26 @@ class Collectives:
 
     # -- broadcast -------------------------------------------------------------
     def broadcast_async(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:
-        """Start an out-of-place broadcast of root's `tensor`."""
+        """Start an out-of-place broadcast of root's `tensor`.
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives root's tensor as a new tensor on every rank.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `root` is not a rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+            ShutdownError: the coordinator was shut down.
+        """
         buf = self._rooted(Kind.BROADCAST, tensor, root, name, writable=False)
         out = buf.array.copy() if self._lane.rank == root else empty_like_code(
             buf.code, buf.array.size)
@@ -157,7 +260,26 @@ class Collectives:
             Kind.BROADCAST, name, buf, root=root), buf, out, root))
 
     def broadcast_async_(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Handle:
-        """Start an in-place broadcast into `tensor` on every rank."""
+        """Start an in-place broadcast into `tensor` on every rank.
+
+        Args:
+            tensor: a writable torch tensor or numpy array, of the same shape and dtype on
+                every rank; it receives the result.
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives `tensor`, holding root's values.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `root` is not a rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+            ShutdownError: the coordinator was shut down.
+        """
         buf = self._rooted(Kind.BROADCAST, tensor, root, name, writable=True)
         return self._submit(ops.BroadcastOp(self._lane, self._call(
             Kind.BROADCAST, name, buf, root=root), buf, buf.array, root))
@@ -174,13 +296,51 @@ class Collectives:
                                 f"root {root} is not a rank of a world of {self._lane.size}")
 
     async def broadcast(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
-        """Return root's `tensor` on every rank (new tensor)."""
+        """Root's `tensor` on every rank, as a new tensor.
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A copy of root's tensor, of `tensor`'s type.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `root` is not a rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+            ShutdownError: the coordinator was shut down.
+        """
         result = self._now(self._small.broadcast, self._broadcast_general, tensor, root, name,
                            False)
         return (await result) if type(result) in _PENDING else result
 
     async def broadcast_(self, tensor: Any, root: int = 0, *, name: str | None = None) -> Any:
-        """Overwrite `tensor` with root's on every rank and return it."""
+        """Overwrite `tensor` with root's on every rank.
+
+        Args:
+            tensor: a writable torch tensor or numpy array, of the same shape and dtype on
+                every rank; it receives the result.
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            `tensor`, holding root's values.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `root` is not a rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, root).
+            ShutdownError: the coordinator was shut down.
+        """
         result = self._now(self._small.broadcast, self._broadcast_general, tensor, root, name, True)
         return (await result) if type(result) in _PENDING else result
 
@@ -191,12 +351,46 @@ class Collectives:
 
     # -- allgather, reduce_scatter, alltoall -----------------------------------
     def allgather_async(self, tensor: Any, *, name: str | None = None) -> Handle:
-        """Start concatenating every rank's tensor along dim 0 (dim 0 may differ)."""
+        """Start concatenating every rank's tensor along dim 0.
+
+        Args:
+            tensor: a torch tensor or numpy array; dim 0 may differ by rank, the other dims
+                and the dtype may not.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives the concatenation in rank order.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (dtype, later dims).
+            ShutdownError: the coordinator was shut down.
+        """
         buf = self._buffer(Kind.ALLGATHER, tensor, name)
         return self._submit(ops.AllgatherOp(self._lane, self._call(Kind.ALLGATHER, name, buf), buf))
 
     async def allgather(self, tensor: Any, *, name: str | None = None) -> Any:
-        """Concatenation of every rank's `tensor` along dim 0, in rank order."""
+        """Concatenation of every rank's `tensor` along dim 0, in rank order.
+
+        Args:
+            tensor: a torch tensor or numpy array; dim 0 may differ by rank, the other dims
+                and the dtype may not.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A new tensor whose dim 0 is the sum of the ranks' dims 0.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (dtype, later dims).
+            ShutdownError: the coordinator was shut down.
+        """
         return await self.allgather_async(tensor, name=name)
 
     @property
@@ -205,15 +399,50 @@ class Collectives:
         return self._lane.size
 
     async def adasum(self, tensor: Any, *, name: str | None = None) -> Any:
-        """Horovod's `op=Adasum` (`base.adasum`): the adaptive sum of `tensor` over
-        ranks, identical on every rank; needs a power-of-two world and a float dtype."""
+        """Horovod's `op=Adasum`: the adaptive sum of `tensor` over ranks, identical on every rank.
+
+        Computed from an allgather of every rank's tensor.
+
+        Args:
+            tensor: a floating-point torch tensor or numpy array, of the same shape on every
+                rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            The adaptive sum, a new tensor of `tensor`'s shape.
+
+        Raises:
+            ValueError: the number of ranks is not a power of two.
+            MismatchError: on every rank, where the ranks' tensors differ in shape or dtype.
+        """
         adasum.check_size(self.group_size)
         gathered = await self.allgather(tensor.reshape(1, *tensor.shape), name=name)
         return adasum.reduce_gathered(gathered, tensor)
 
     def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = "sum", *,
                              name: str | None = None) -> Handle:
-        """Start reduce-then-scatter along dim 0 (Horovod's split: first ranks larger)."""
+        """Start a reduction whose result is scattered along dim 0.
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives this rank's slice.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                `op` is unknown or Adasum, or `tensor` is 0-d; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         rop = self._reduce_op(op, name, Kind.REDUCE_SCATTER)
         buf = self._buffer(Kind.REDUCE_SCATTER, tensor, name, op=int(rop))
         if not buf.shape:  # nothing to scatter along: Horovod refuses a scalar too
@@ -226,12 +455,54 @@ class Collectives:
 
     async def reduce_scatter(self, tensor: Any, op: ReduceOp | str = "sum", *,
                              name: str | None = None) -> Any:
-        """This rank's slice of the reduction of every rank's `tensor`."""
+        """This rank's slice of the reduction of every rank's `tensor`, split along
+        dim 0 as Horovod splits it (the first ranks get one row more where it does not
+        divide).
+
+        Args:
+            tensor: a torch tensor (CPU or CUDA) or a numpy array, of the same shape and dtype
+                on every rank.
+            op: the reduction: a `ReduceOp` member or its name ("sum", "average", "min",
+                "max", "product"); the same on every rank.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            This rank's slice, a new tensor.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                `op` is unknown or Adasum, or `tensor` is 0-d; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
+            ShutdownError: the coordinator was shut down.
+        """
         return await self.reduce_scatter_async(tensor, op, name=name)
 
     def alltoall_async(self, tensor: Any, splits: list[int] | None = None, *,
                        name: str | None = None) -> Handle:
-        """Start an alltoall; resolves to `(output, received_splits)`."""
+        """Start an alltoall.
+
+        Args:
+            tensor: the rows to send, along dim 0; the dtype and the other dims are the same
+                on every rank.
+            splits: rows of `tensor` for each rank, in rank order; they sum to dim 0 (None:
+                equal parts, which must divide dim 0).
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives `(received rows, received splits)`.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `splits` does not divide dim 0 into one part per rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ.
+            ShutdownError: the coordinator was shut down.
+        """
         buf = self._buffer(Kind.ALLTOALL, tensor, name)
         split_list = self._splits(buf, splits, name)
         return self._submit(ops.AlltoallOp(self._lane, self._call(
@@ -249,18 +520,61 @@ class Collectives:
 
     async def alltoall(self, tensor: Any, splits: list[int] | None = None, *,
                        name: str | None = None) -> tuple[Any, list[int]]:
-        """Send `splits[r]` rows to rank r; returns `(received rows, their splits)`."""
+        """Send `splits[r]` rows of `tensor` to rank r and receive each rank's rows for
+        this one.
+
+        Args:
+            tensor: the rows to send, along dim 0; the dtype and the other dims are the same
+                on every rank.
+            splits: rows of `tensor` for each rank, in rank order; they sum to dim 0 (None:
+                equal parts, which must divide dim 0).
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            `(received rows, concatenated in rank order; how many came from each rank)`.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: this rank's input cannot be communicated,
+                or `splits` does not divide dim 0 into one part per rank; the
+                other ranks raise RemoteInputError naming it.
+            MismatchError: on every rank, where the ranks' calls differ.
+            ShutdownError: the coordinator was shut down.
+        """
         result: tuple[Any, list[int]] = await self.alltoall_async(tensor, splits, name=name)
         return result
 
     # -- barrier and objects ---------------------------------------------------
     def barrier_async(self, *, name: str | None = None) -> Handle:
-        """Start a barrier; it also checks that every rank reached the same call."""
+        """Start a barrier; it also checks that every rank reached the same call.
+
+        Args:
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it returns None once every rank arrived.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         return self._submit(ops.BarrierOp(self._lane, self._call(Kind.BARRIER, name)))
 
     async def barrier(self, *, name: str | None = None) -> None:
-        """Wait until every rank arrives, without blocking the loop."""
+        """Wait until every rank arrives, without blocking the loop.
+
+        Args:
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            MismatchError: on every rank, where a rank made another call at this point.
+            ShutdownError: the coordinator was shut down.
+        """
         result = self._now(self._small.barrier, self._barrier_general, name)
         if type(result) in _PENDING:
             await result
@@ -270,7 +584,22 @@ class Collectives:
 
     def broadcast_object_async(self, obj: Any, root: int = 0, *,
                                name: str | None = None) -> Handle:
-        """Start broadcasting a picklable object from root."""
+        """Start broadcasting a picklable object from root.
+
+        Args:
+            obj: a picklable object; only root's is sent (the others' are ignored).
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives root's object.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: `root` is not a rank; the other ranks fail too.
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         self._check_root(Kind.BROADCAST_OBJECT, root, name)
         blob = pickle.dumps(obj) if self._lane.rank == root else b""
@@ -278,18 +607,59 @@ class Collectives:
         return self._submit(ops.BroadcastObjectOp(self._lane, call, blob))
 
     async def broadcast_object(self, obj: Any, root: int = 0, *, name: str | None = None) -> Any:
-        """Root's object on every rank (other ranks' `obj` is ignored)."""
+        """Root's object on every rank.
+
+        Args:
+            obj: a picklable object; only root's is sent (the others' are ignored).
+            root: the rank whose tensor is sent.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            Root's object, unpickled on every rank (root gets a copy too).
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: `root` is not a rank; the other ranks fail too.
+            ShutdownError: the coordinator was shut down.
+        """
         return await self.broadcast_object_async(obj, root, name=name)
 
     def allgather_object_async(self, obj: Any, *, name: str | None = None) -> Handle:
-        """Start gathering one picklable object from every rank."""
+        """Start gathering one picklable object from every rank.
+
+        Args:
+            obj: this rank's picklable object.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A `Handle`; awaiting it gives the list of objects in rank order.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         blob = pickle.dumps(obj)
         call = self._call(Kind.ALLGATHER_OBJECT, name, nbytes=len(blob))
         return self._submit(ops.AllgatherObjectOp(self._lane, call, blob))
 
     async def allgather_object(self, obj: Any, *, name: str | None = None) -> list[Any]:
-        """Every rank's object, in rank order."""
+        """Every rank's object, in rank order.
+
+        Args:
+            obj: this rank's picklable object.
+            name: the call's name: ranks match calls by it (None: by the order of unnamed
+                calls); a name that a call of this rank still holds is refused.
+
+        Returns:
+            A list with one unpickled object per rank.
+
+        Raises:
+            ValueError: `name` is held by a call of this rank still in flight.
+            ShutdownError: the coordinator was shut down.
+        """
         result: list[Any] = await self.allgather_object_async(obj, name=name)
         return result
 

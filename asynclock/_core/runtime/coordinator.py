@@ -115,7 +115,13 @@ def make_backend(name: str, comm: Any = None) -> Backend:
 
 
 class Coordinator(Collectives, SyncPrimitives):
-    """One per rank: the backend, the progress engine and the channels."""
+    """One per rank: the backend, the progress engine and the channels.
+
+    Args:
+        backend: this rank's transport, made collectively; `init()` and `start()` make
+            it and the coordinator, which is how a program gets one.
+        policy: the progress engine's knobs (None: `ProgressPolicy.from_env()`).
+    """
 
     def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
         self.backend = backend
@@ -201,9 +207,19 @@ class Coordinator(Collectives, SyncPrimitives):
 
     async def join(self) -> int:
         """This rank has no more data: until every rank has joined, stand in for
-        the others' allreduces (identity data: zeros for sum and average) and
-        barriers; returns the rank that joined last. Horovod's `hvd.join()`,
-        DDP's `Join` (`engine.join`)."""
+        the others' allreduces and barriers.
+
+        Stand-ins send identity data (zeros for sum and average, which still divides by
+        the world size). Horovod's `hvd.join()`, DDP's `Join`.
+
+        Returns:
+            The rank that joined last.
+
+        Raises:
+            JoinedError: on every rank, for a collective that joined ranks cannot stand
+                in for (broadcast, allgather, alltoall, ...), issued meanwhile.
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane,
                                                self.model_lane, *self.more_grad_lanes])
@@ -214,12 +230,29 @@ class Coordinator(Collectives, SyncPrimitives):
 
         Every rank calls it, in the same order (it splits a communicator); the
         others get a `Subset` that refuses calls by name.
+
+        Args:
+            ranks: the world ranks of the set (any order, duplicates ignored).
+
+        Returns:
+            The `Subset`: `.api` is its collective API on members, `.rank` this rank's
+            number in it (-1 outside).
+
+        Raises:
+            InvalidInputError: the set is empty, or a rank is outside the world.
+            NotImplementedError: the backend is not MPI.
+            ShutdownError: the coordinator was shut down.
         """
         self._check_open()
         return await make_subset(self, ranks)
 
     async def remove_process_set(self, subset: Subset) -> None:
-        """Finish the set's collectives in flight and free its channel (every member)."""
+        """Finish the set's collectives in flight and free its channel (every rank
+        calls it; idempotent).
+
+        Args:
+            subset: what `process_set` returned.
+        """
         await remove_subset(self, subset)
 
     # -- identity ----------------------------------------------------------------
@@ -256,7 +289,11 @@ class Coordinator(Collectives, SyncPrimitives):
         return LaneCollectives(self._engine, lane, self._check_open)
 
     def statistics(self) -> EngineStatistics:
-        """In-flight and completed counts of this rank's progress engine."""
+        """In-flight and completed counts of this rank's progress engine.
+
+        Returns:
+            The engine's exact counts (no communication).
+        """
         return self._engine.statistics()
 
     def small_path_statistics(self) -> SmallCallStatistics:
@@ -265,7 +302,20 @@ class Coordinator(Collectives, SyncPrimitives):
 
     def train_step(self, optimizer: Any, **options: Any) -> Any:
         """`async with coord.train_step(optimizer) as step:` (the torch integration's
-        train step). Made once per optimizer and reused; imports torch only when called."""
+        train step). Made once per optimizer and reused; imports torch only when called.
+
+        Args:
+            optimizer: the plain torch optimizer.
+            **options: `asynclock.torch.TrainStep`'s keyword arguments (`model`, `op`,
+                `tuning`, ...).
+
+        Returns:
+            The optimizer's `asynclock.torch.TrainStep` on this coordinator.
+
+        Raises:
+            RuntimeError: the torch integration is not importable.
+            ValueError: invalid options, or other options than the step was made with.
+        """
         if not _TRAIN_STEP:
             raise RuntimeError("train_step needs the torch integration (asynclock.torch)")
         return _TRAIN_STEP[0](self, optimizer, **options)
@@ -277,7 +327,17 @@ class Coordinator(Collectives, SyncPrimitives):
     # -- running the engine on the caller's loop ----------------------------------
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Coordinator]:
-        """Run the progress engine on the current loop for the block's duration."""
+        """Run the progress engine on the current loop for the block's duration.
+
+        Leaving the block drains what this rank started; `async with coord:` is the same.
+
+        Yields:
+            This coordinator.
+
+        Raises:
+            RuntimeError: the engine already runs on another loop or the loop thread.
+            ShutdownError: the coordinator was shut down.
+        """
         self._check_open()
         self._claim("loop")
         self._loop_token = anyio.lowlevel.current_token()
@@ -309,7 +369,14 @@ class Coordinator(Collectives, SyncPrimitives):
     async def drain(self, timeout: float = 60.0) -> None:
         """Wait until every started collective completed on this rank. Every rank
         drains together (shutdown, removing a process set), so calls that some
-        ranks issued and others never will fail now (`UnmatchedError`)."""
+        ranks issued and others never will fail now (`UnmatchedError`).
+
+        Args:
+            timeout: seconds to wait.
+
+        Raises:
+            TimeoutError: collectives were still in flight after `timeout`.
+        """
         self._engine.close_matching()
         with anyio.fail_after(timeout):
             await wait_until(lambda: not self._engine.inflight, Backoff.every(DRAIN_POLL_S))
@@ -435,7 +502,25 @@ _global: Coordinator | None = None
 
 def init(backend: str = "auto", *, comm: Any = None,
          policy: ProgressPolicy | None = None) -> Coordinator:
-    """Create this rank's coordinator (idempotent), like `hvd.init()`."""
+    """Create this rank's coordinator (idempotent), like `hvd.init()`.
+
+    A collective: every rank calls it. Every ASYNCLOCK_* setting is read and checked
+    here, once; settings that must agree are compared across ranks.
+
+    Args:
+        backend: "auto" (ASYNCLOCK_BACKEND, else Horovod under `horovodrun --gloo`, MPI
+            where mpi4py imports, one local rank otherwise), "mpi", "horovod" or "local".
+        comm: an mpi4py communicator to run on (None: the whole MPI world).
+        policy: the progress engine's knobs (None: `ProgressPolicy.from_env()`).
+
+    Returns:
+        The process-wide coordinator (the running one, if any).
+
+    Raises:
+        ValueError: `backend` is unknown, or an ASYNCLOCK_* value is invalid.
+        MismatchError: on every rank, where settings that must agree differ.
+        CollectiveTimeout: not every rank joined the start-up agreement in time.
+    """
     global _global
     if _global is None or _global._closed:
         settings.load()  # every ASYNCLOCK_* setting is read and checked here, once
@@ -449,7 +534,15 @@ def init(backend: str = "auto", *, comm: Any = None,
 
 
 def coordinator() -> Coordinator:
-    """The coordinator made by `init()`/`start()`; clear error before that."""
+    """The coordinator made by `init()`/`start()`.
+
+    Returns:
+        The process-wide coordinator.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+        ShutdownError: after `shutdown()`.
+    """
     if _global is None:
         raise NotInitializedError("asynclock is not initialized: call asynclock.init() "
                                   "or use `async with asynclock.start()`")
@@ -459,7 +552,11 @@ def coordinator() -> Coordinator:
 
 
 def is_initialized() -> bool:
-    """True between `init()`/`start()` and `shutdown()`, like `hvd.is_initialized()`."""
+    """Whether a coordinator is running, like `hvd.is_initialized()`.
+
+    Returns:
+        True between `init()`/`start()` and `shutdown()`.
+    """
     return _global is not None and not _global._closed
 
 
@@ -479,7 +576,24 @@ async def start(backend: str = "auto", *, comm: Any = None,
 
     Creating communicators is a blocking collective, so it runs in a worker
     thread: the loop (and the user's side tasks) stay live while late ranks
-    arrive.
+    arrive. The progress engine runs on the caller's loop for the block; an error that
+    leaves the block stops every rank (ASYNCLOCK_ON_ERROR).
+
+    Args:
+        backend: "auto" (ASYNCLOCK_BACKEND, else Horovod under `horovodrun --gloo`, MPI
+            where mpi4py imports, one local rank otherwise), "mpi", "horovod" or "local".
+        comm: an mpi4py communicator to run on (None: the whole MPI world).
+        policy: the progress engine's knobs (None: `ProgressPolicy.from_env()`).
+        shutdown_on_exit: shut the coordinator down when the block ends (False: keep
+            it for a later `start()` or synchronous calls).
+
+    Yields:
+        The running coordinator.
+
+    Raises:
+        ValueError: `backend` is unknown, or an ASYNCLOCK_* value is invalid.
+        MismatchError: on every rank, where settings that must agree differ.
+        CollectiveTimeout: not every rank joined the start-up agreement in time.
     """
     coord = _global if is_initialized() else None
     if coord is None:
@@ -497,18 +611,39 @@ async def start(backend: str = "auto", *, comm: Any = None,
 
 
 def rank() -> int:
-    """This process's rank in the job, 0 to `size() - 1`, like `hvd.rank()`."""
+    """This process's rank in the job, 0 to `size() - 1`, like `hvd.rank()`.
+
+    Returns:
+        This process's rank in the job, 0 to `size() - 1`.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().rank
 
 
 def size() -> int:
-    """The number of ranks in the job, like `hvd.size()`."""
+    """The number of ranks in the job, like `hvd.size()`.
+
+    Returns:
+        The number of ranks in the job.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().size
 
 
 def local_rank() -> int:
     """This rank's index among the ranks on its host, like `hvd.local_rank()`
-    (`asynclock.cuda.set_device` picks the GPU from it)."""
+    (`asynclock.cuda.set_device` picks the GPU from it).
+
+    Returns:
+        This rank's index on its host.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().local_rank
 
 
@@ -521,19 +656,40 @@ def _cores() -> int:
 
 
 def local_size() -> int:
-    """The number of ranks on this rank's host, like `hvd.local_size()`."""
+    """The number of ranks on this rank's host, like `hvd.local_size()`.
+
+    Returns:
+        The number of ranks on this rank's host.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().local_size
 
 
 def cross_rank() -> int:
     """This rank's index among the ranks that share its local rank, one per host (the
-    host's index when every host runs as many ranks), like `hvd.cross_rank()`."""
+    host's index when every host runs as many ranks), like `hvd.cross_rank()`.
+
+    Returns:
+        This rank's index among the ranks of its local rank.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().cross_rank
 
 
 def cross_size() -> int:
     """The number of ranks that share this rank's local rank (the number of hosts when
-    every host runs as many ranks), like `hvd.cross_size()`."""
+    every host runs as many ranks), like `hvd.cross_size()`.
+
+    Returns:
+        The number of ranks of this rank's local rank.
+
+    Raises:
+        NotInitializedError: before `init()`/`start()`.
+    """
     return coordinator().cross_size
 
 

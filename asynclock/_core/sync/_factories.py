@@ -40,35 +40,87 @@ class SyncPrimitives:
         return self.sync.primitive(kind, name, make)
 
     def lock(self, name: str) -> Lock:
-        """The cross-rank lock `name`: FIFO, cancellation-safe, `acquire(timeout=)`."""
+        """The cross-rank lock `name`: FIFO, cancellation-safe, `acquire(timeout=)`.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+
+        Returns:
+            The rank's `Lock` of that name, made on first use.
+        """
         lock: Lock = self._one("lock", name, lambda: Lock(self.sync, name))
         return lock
 
     def semaphore(self, name: str, n: int) -> Semaphore:
-        """A cross-rank semaphore with `n` permits (the same `n` on every rank)."""
+        """A cross-rank semaphore with `n` permits.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+            n: how many permits; the same on every rank (the home rank checks).
+
+        Returns:
+            The rank's `Semaphore` of that name, made on first use.
+
+        Raises:
+            ValueError: this rank made the semaphore with another `n`, or `n` is below 1.
+        """
         sem: Semaphore = self._one("semaphore", name, lambda: Semaphore(self.sync, name, n))
         if sem.capacity != n:
             raise ValueError(f"semaphore {name!r} already exists with n={sem.capacity}")
         return sem
 
     def condition(self, name: str) -> Condition:
-        """A cross-rank condition variable on `coord.lock(name)`."""
+        """A cross-rank condition variable on `coord.lock(name)`.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+
+        Returns:
+            The rank's `Condition` of that name, made on first use.
+        """
         cond: Condition = self._one("condition", name,
                                     lambda: Condition(self.sync, name, self.lock(name)))
         return cond
 
     def event(self, name: str) -> Event:
-        """A set-once event: set on any rank, awaited on all."""
+        """A set-once event: set on any rank, awaited on all.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+
+        Returns:
+            The rank's `Event` of that name, made on first use.
+        """
         event: Event = self._one("event", name, lambda: Event(self.sync, name))
         return event
 
     def sequential(self, name: str) -> Sequential:
-        """`async with coord.sequential(name):` ranks take turns in rank order."""
+        """`async with coord.sequential(name):` ranks take turns in rank order.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+
+        Returns:
+            The rank's `Sequential` of that name, made on first use.
+        """
         seq: Sequential = self._one("sequential", name, lambda: Sequential(self.sync, name))
         return seq
 
     def consistency_point(self, name: str) -> ConsistencyPoint:
-        """`await coord.consistency_point(name)`: a named, agreement-checked barrier."""
+        """`await coord.consistency_point(name)`: a named, agreement-checked barrier.
+
+        Args:
+            name: the primitive's name; the same name is the same object on every rank (and
+                for every task of this rank).
+
+        Returns:
+            The rank's `ConsistencyPoint` of that name, made on first use.
+        """
         point: ConsistencyPoint = self._one("point", name,
                                             lambda: ConsistencyPoint(self._me(), name))
         return point
