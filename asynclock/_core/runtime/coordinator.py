@@ -152,7 +152,14 @@ class Coordinator(Collectives, SyncPrimitives):
         the caller has the result (how `hvd.*_async` returns before its
         collective starts, so `poll()` right after it says False, as on Horovod).
         A name already in use or bad input still raises here, before anything
-        is sent."""
+        is sent.
+
+        Args:
+            fn: a function run on the loop thread; it may start collectives.
+
+        Returns:
+            What `fn` returned.
+        """
         returned = staging.Flag()
 
         async def go() -> T:
@@ -171,7 +178,15 @@ class Coordinator(Collectives, SyncPrimitives):
 
     def add_lane(self, channel: Any, by_name: bool = False) -> Lane:
         """Serve `channel` (made collectively, e.g. a process set's) on this engine;
-        `by_name`: the user's calls, matched by name once ranks disagree."""
+        `by_name`: the user's calls, matched by name once ranks disagree.
+
+        Args:
+            channel: a transport channel made collectively.
+            by_name: match the lane's calls by name once ranks disagree.
+
+        Returns:
+            The new lane, served by this engine.
+        """
         return self._engine.add_lane(Lane(channel, by_name))
 
     async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
@@ -180,7 +195,18 @@ class Coordinator(Collectives, SyncPrimitives):
         """Channels made after start-up (`engine.making`), served as lanes: agreed on the
         user lane as a make of `what` for `ranks`, then `channels()` (a collective over
         the world: None on ranks it leaves out) and each lane's own set-up run on a
-        wait thread. Every rank calls it, in the same order."""
+        wait thread. Every rank calls it, in the same order.
+
+        Args:
+            what: what is made, for the agreement's check and error messages.
+            channels: makes the channels: a collective over the world; None on ranks it
+                leaves out.
+            by_name: for each channel, whether its lane matches calls by name.
+            ranks: the ranks the make is for (empty: all).
+
+        Returns:
+            The lanes, or None on ranks the channels leave out.
+        """
         self._check_open()
 
         def build() -> list[Lane] | None:
@@ -201,7 +227,11 @@ class Coordinator(Collectives, SyncPrimitives):
         return lanes
 
     def remove_lane(self, lane: Lane) -> None:
-        """Stop serving a lane with nothing in flight and free its channel."""
+        """Stop serving a lane with nothing in flight and free its channel.
+
+        Args:
+            lane: a lane with nothing in flight.
+        """
         self._engine.retire_lane(lane)
         self.backend.close_channel(lane.transport)
 
@@ -285,7 +315,14 @@ class Coordinator(Collectives, SyncPrimitives):
         return self._engine
 
     def on_lane(self, lane: Lane) -> LaneCollectives:
-        """The collective API on another private channel (e.g. `grad_lane`)."""
+        """The collective API on another private channel (e.g. `grad_lane`).
+
+        Args:
+            lane: a lane of this coordinator.
+
+        Returns:
+            The collective API on that lane.
+        """
         return LaneCollectives(self._engine, lane, self._check_open)
 
     def statistics(self) -> EngineStatistics:
@@ -297,7 +334,11 @@ class Coordinator(Collectives, SyncPrimitives):
         return self._engine.statistics()
 
     def small_path_statistics(self) -> SmallCallStatistics:
-        """User-lane calls on the small-message path (`engine.small_calls`), and hand-offs."""
+        """User-lane calls on the small-message path (`engine.small_calls`), and hand-offs.
+
+        Returns:
+            The user lane's small-path counts.
+        """
         return self._small.statistics()
 
     def train_step(self, optimizer: Any, **options: Any) -> Any:
@@ -385,7 +426,18 @@ class Coordinator(Collectives, SyncPrimitives):
         """Run `fn(*args)` on whichever loop runs the engine and wait for it: for
         synchronous code that needs a collective (a layer's forward or backward).
 
-        Never on that loop's own thread: the wait would block the loop."""
+        Never on that loop's own thread: the wait would block the loop.
+
+        Args:
+            fn: an async function.
+            *args: passed to `fn`.
+
+        Returns:
+            What `fn` returned.
+
+        Raises:
+            RuntimeError: called on the loop's own thread.
+        """
         token = self._loop_token
         if token is None:
             return self.run_sync(fn, *args)
@@ -404,6 +456,16 @@ class Coordinator(Collectives, SyncPrimitives):
         the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
         1 ms sleeps, which would add most of a sleep to every small call, and
         past that never sleeps longer than `blocked_max_sleep_s` while it waits.
+
+        Args:
+            fn: an async function.
+            *args: passed to `fn`.
+
+        Returns:
+            What `fn` returned.
+
+        Raises:
+            ShutdownError: the coordinator was shut down.
         """
         result: T = self._sync_portal().call(self._eagerly, fn, *args)
         return result
@@ -459,7 +521,12 @@ class Coordinator(Collectives, SyncPrimitives):
         """Leave this world without draining it: it `lost` a rank, or the job re-forms
         (`runtime.elastic`). Every operation in flight, and every later call, fails
         with `error`; the loop thread, the watchdog and the backend stop (Horovod too,
-        when asynclock started it), and the process goes on."""
+        when asynclock started it), and the process goes on.
+
+        Args:
+            error: what every operation in flight, and every later call, fails with.
+            lost: the world lost a rank (False: it re-forms on purpose).
+        """
         if self._closed:
             return
         engine = self._engine
