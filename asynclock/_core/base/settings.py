@@ -162,6 +162,8 @@ DECLARED: tuple[Setting, ...] = (
     # -- the test suite and the benchmarks ----------------------------------------------------
     _s("TEST_MPI", "text", "auto", "The MPI the test suite starts its jobs with.", scope=TESTS,
        choices=("auto", "embedded", "system")),
+    _s("TEST_WORKERS", "number", "2", "pytest workers for launch/test.sh's parallel phase "
+       "(0: every test in one process).", scope=TESTS),
     _s("TEST_BACKENDS", "text", "mpi,horovod", "Backends the torch tests run on.",
        scope=TESTS),
     _s("CONFORMANCE_TARGET", "text", "asynclock", "What Horovod's own tests run against.",
