@@ -6,7 +6,7 @@ or `asynclock-launch --timeline prefix`), then record from anywhere:
     with timeline.span("forward", cat="compute", batch=i): ...
     handle = timeline.begin("allreduce", cat="comm", bucket=3) ... timeline.end(handle)
     timeline.instant("checkpoint"); timeline.counter("in_flight", buckets=2)
-    timeline.attach(coord.engine)   # every collective as an async span
+    timeline.attach(coord.lowlevel.engine)   # every collective as an async span
 
 Why this format: Horovod writes one JSON array from rank 0 and a killed run
 leaves it unparseable. Here every rank appends each event as one JSON line

@@ -68,7 +68,7 @@ async def main(args: argparse.Namespace) -> None:
             "asynclock_allreduce": lambda: coord.allreduce_(x),
             "asynclock_barrier": coord.barrier,
         }
-        stats = coord.small_path_statistics
+        stats = coord.lowlevel.small_path_statistics
         rows_before = getattr(stats(), "rows_rounds", None)
         calls_before = stats().calls
         samples: dict[str, list[float]] = {name: [] for name in systems}

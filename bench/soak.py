@@ -84,9 +84,9 @@ async def run_steps(c: asynclock.Coordinator, args: argparse.Namespace) -> dict[
 
 
 def in_flight(c: asynclock.Coordinator) -> dict[str, Any]:
-    wd = c.watchdog.statistics() if c.watchdog is not None else None
+    wd = c.lowlevel.watchdog.statistics() if c.lowlevel.watchdog is not None else None
     return {"engine_ops": c.statistics().in_flight,
-            "lane_fifos": [len(lane.queue) for lane in c.engine.lanes],
+            "lane_fifos": [len(lane.queue) for lane in c.lowlevel.engine.lanes],
             "watchdog_pending_sends": wd.pending_sends if wd else None,
             "heartbeats_sent": wd.heartbeats_sent if wd else None,
             "heartbeats_received": wd.heartbeats_received if wd else None}
@@ -95,12 +95,12 @@ def in_flight(c: asynclock.Coordinator) -> dict[str, Any]:
 async def idle_cpu(c: asynclock.Coordinator, seconds: float) -> dict[str, float]:
     """Both clocks over an idle stretch: the loop sleeps, nothing is in flight."""
     await c.barrier()
-    wd0 = c.watchdog.statistics().cpu_s if c.watchdog is not None else 0.0
+    wd0 = c.lowlevel.watchdog.statistics().cpu_s if c.lowlevel.watchdog is not None else 0.0
     p0, t0 = time.process_time(), time.perf_counter()
     await anyio.sleep(seconds)
     wall = time.perf_counter() - t0
     await anyio.sleep(0.6)  # the watchdog's cpu figure is refreshed once per heartbeat
-    wd1 = c.watchdog.statistics().cpu_s if c.watchdog is not None else 0.0
+    wd1 = c.lowlevel.watchdog.statistics().cpu_s if c.lowlevel.watchdog is not None else 0.0
     return {"wall_s": wall, "watchdog_pct": 100 * (wd1 - wd0) / wall,
             "process_pct": 100 * (time.process_time() - p0) / wall}
 

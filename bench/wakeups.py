@@ -75,7 +75,7 @@ def idle_coordinator(seconds: float) -> None:
     from asynclock._core.runtime import coordinator as runtime
 
     hvd.init()
-    runtime.coordinator().run_sync(_touch)  # start the loop thread
+    runtime.coordinator().lowlevel.run_sync(_touch)  # start the loop thread
     time.sleep(0.5)
     threads = [t for t in threading.enumerate() if t is not threading.current_thread()]
 

@@ -188,10 +188,10 @@ def test_a_blocked_caller_is_counted_only_while_it_waits() -> None:
         raise ValueError("bad input")
 
     try:
-        coord.run_sync(inside)
+        coord.lowlevel.run_sync(inside)
         with pytest.raises(ValueError):
-            coord.run_sync(fails)
-        coord.run_sync(inside)
+            coord.lowlevel.run_sync(fails)
+        coord.lowlevel.run_sync(inside)
     finally:
         coord.shutdown()
     assert seen == [1, 1]

@@ -301,7 +301,7 @@ def test_collective_on_meta_tensor_raises_on_the_caller(loop: str) -> None:
 
 def staged_allreduce(coord: Coordinator, n: int) -> AllreduceOp:
     """An allreduce whose buffer claims to be a staged CUDA tensor (here: a CPU one)."""
-    lane, host = coord._lane, torch.ones(n)
+    lane, host = coord.lowlevel.user_lane, torch.ones(n)
     buf = as_buffer(host)
     buf.wrap = staging.Staged(torch.ones(n), host, buf.wrap, None, None)
     call = Call(Kind.ALLREDUCE, lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
@@ -318,7 +318,7 @@ def test_failed_copy_still_joins_the_header_round() -> None:
             op = staged_allreduce(coord, 4)
             issued = coord.statistics().issued
             with pytest.raises(InputRejected, match="staging cpu tensor failed: RuntimeError"):
-                staging.submit(coord.engine, coord._lane, op)
+                staging.submit(coord.lowlevel.engine, coord.lowlevel.user_lane, op)
             assert coord.statistics().issued == issued + 1
             assert (await coord.allreduce(np.ones(2))).tolist() == [1.0, 1.0]
 
@@ -327,7 +327,7 @@ def test_failed_copy_still_joins_the_header_round() -> None:
 
 # -- the lane gate: caller order behind GPU copies ---------------------------------------
 def _barrier(coord: Coordinator) -> BarrierOp:
-    lane = coord._lane
+    lane = coord.lowlevel.user_lane
     return BarrierOp(lane, Call(Kind.BARRIER, lane.next_seq(), name="held"))
 
 
@@ -337,7 +337,7 @@ def test_gate_keeps_caller_order(loop: str) -> None:
 
     async def main() -> None:
         async with Coordinator(LocalBackend()) as coord:
-            engine, lane, event = coord.engine, coord._lane, GateEvent()
+            engine, lane, event = coord.lowlevel.engine, coord.lowlevel.user_lane, GateEvent()
             held = staging.submit_after(engine, lane, _barrier(coord), event)
             later = coord.allreduce_async(np.arange(3.0))
             assert staging.held(lane) == 2 and not held.done and not later.done()
@@ -360,9 +360,9 @@ def test_cancelling_a_task_awaiting_a_held_op_still_submits_it(loop: str) -> Non
     async def main() -> None:
         async with Coordinator(LocalBackend()) as coord:
             event = GateEvent()
-            op = staging.submit_after(coord.engine, coord._lane, _barrier(coord), event)
+            op = staging.submit_after(coord.lowlevel.engine, coord.lowlevel.user_lane, _barrier(coord), event)
             with anyio.move_on_after(0.01):
-                await coord.engine.wait(op)
+                await coord.lowlevel.engine.wait(op)
             assert not op.done and op.detached
             event.done = True
             with anyio.fail_after(10):
@@ -377,8 +377,8 @@ def test_gate_passes_completed_events_straight_through() -> None:
         async with Coordinator(LocalBackend()) as coord:
             done = GateEvent()
             done.done = True
-            op = staging.submit_after(coord.engine, coord._lane, _barrier(coord), done)
-            assert op.done and staging.held(coord._lane) == 0
+            op = staging.submit_after(coord.lowlevel.engine, coord.lowlevel.user_lane, _barrier(coord), done)
+            assert op.done and staging.held(coord.lowlevel.user_lane) == 0
 
     anyio.run(main)
 

@@ -116,3 +116,44 @@ def test_public_face_is_small(module: str) -> None:
                              "cuda", "torch"],
                "asynclock.torch": [], "asynclock.cuda": []}[module]
     assert sorted(public) == sorted(allowed), public
+
+
+# The coordinator's user face: collectives, cross-rank primitives, identity, process sets,
+# the train step and the engine's life. Plumbing lives under `coord.lowlevel`; a new public
+# name on either is a decision, made here.
+COORDINATOR_FACE = (
+    "adasum", "allgather", "allgather_async", "allgather_object", "allgather_object_async",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "barrier_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_object_async",
+    "reduce_scatter", "reduce_scatter_async", "group_size",
+    "condition", "consistency_point", "event", "lock", "semaphore", "sequential",
+    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "backend",
+    "process_set", "remove_process_set", "join", "train_step", "statistics",
+    "running", "drain", "shutdown", "lowlevel",
+)
+LOWLEVEL = (
+    "engine", "user_lane", "grad_lane", "more_grad_lanes", "sync_lane", "model_lane", "sync",
+    "watchdog", "add_lane", "make_lanes", "remove_lane", "on_lane", "small_path_statistics",
+    "run_sync", "run_sync_then_start", "call_blocking", "abandon",
+)
+
+
+def _public(obj: object) -> list[str]:
+    return sorted(n for n in dir(obj) if not n.startswith("_"))
+
+
+def test_coordinator_face() -> None:
+    """A coordinator's public attributes, its instance's included, are exactly the face."""
+    import asynclock
+    from asynclock._core.transports.local import LocalBackend
+
+    coord = asynclock.Coordinator(LocalBackend())
+    try:
+        assert _public(coord) == sorted(COORDINATOR_FACE)
+        assert _public(coord.lowlevel) == sorted(LOWLEVEL)
+        undocumented = [n for n in COORDINATOR_FACE
+                        if not inspect.getdoc(getattr(type(coord), n))]
+        assert not undocumented, f"Coordinator: no docstring for {undocumented}"
+    finally:
+        coord.shutdown()

@@ -176,7 +176,7 @@ def test_wait_thread_holds_no_buffer_once_idle_and_is_joined() -> None:
         async with coord.running():
             big = torch.ones(1 << 19)  # 2 MiB: a data stage for the wait thread
             await coord.allreduce_(big)
-            assert coord.engine.statistics().thread_waits >= 1
+            assert coord.lowlevel.engine.statistics().thread_waits >= 1
             ref = weakref.ref(big)
             del big
             for _ in range(20):

@@ -256,7 +256,7 @@ class Checkpointer:
         self.keep = keep
         self.sharded = sharded
         self.serializer = serializer
-        self._lane = coord.on_lane(coord.sync_lane)
+        self._lane = coord.lowlevel.on_lane(coord.lowlevel.sync_lane)
         self.saved = self.loaded = 0
 
     @property

@@ -64,7 +64,7 @@ class Trainer:
         self.syncs = [cuda.BucketSync() for _ in self.params]
         self.handles: dict[int, Any] = {}
         if variant == "asynclock":
-            self.grad = coord.on_lane(coord.grad_lane)
+            self.grad = coord.lowlevel.on_lane(coord.lowlevel.grad_lane)
             self.call = loop_caller()
             for i, p in enumerate(self.params):
                 p.register_post_accumulate_grad_hook(self._hook(i))

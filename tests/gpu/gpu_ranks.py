@@ -99,7 +99,7 @@ def backward_on(stream: Any, loss: torch.Tensor) -> None:
 
 
 async def hooked_buckets(c: Coordinator, dev: torch.device) -> None:
-    net, grad = model(dev), c.on_lane(c.grad_lane)
+    net, grad = model(dev), c.lowlevel.on_lane(c.lowlevel.grad_lane)
     params = list(net.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     side, call = torch.cuda.Stream(dev), loop_caller()
@@ -167,7 +167,7 @@ async def main() -> None:
             await hooked_buckets(c, dev)
             report(c.rank, "hooked_buckets")
             report(c.rank, "direct", await direct(c, dev))
-        assert staging.held(c._lane) == 0 and staging.held(c.grad_lane) == 0
+        assert staging.held(c.lowlevel.user_lane) == 0 and staging.held(c.lowlevel.grad_lane) == 0
     report(c.rank, "done", f"device {dev}")
 
 

@@ -57,7 +57,7 @@ def expected_path(size: int) -> str:
 
 
 def group_calls(c: asynclock.Coordinator) -> int:
-    group = getattr(c.engine.lanes[0].transport, "device_group", None)
+    group = getattr(c.lowlevel.engine.lanes[0].transport, "device_group", None)
     return 0 if group is None else int(group.calls)
 
 
@@ -103,7 +103,7 @@ async def check_races(c: asynclock.Coordinator, dev: torch.device) -> None:
 
 
 def grad_lane_calls(c: asynclock.Coordinator) -> int:
-    group = getattr(c.grad_lane.transport, "device_group", None)
+    group = getattr(c.lowlevel.grad_lane.transport, "device_group", None)
     return 0 if group is None else int(group.calls)
 
 

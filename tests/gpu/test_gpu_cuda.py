@@ -49,7 +49,7 @@ def on_local(body: Callable[[Coordinator], Awaitable[None]], loop: str = "asynci
         async with Coordinator(LocalBackend()) as coord:
             with anyio.fail_after(60):
                 await body(coord)
-            assert staging.held(coord._lane) == 0
+            assert staging.held(coord.lowlevel.user_lane) == 0
 
     anyio.run(main, backend=loop)
 
@@ -213,7 +213,7 @@ def test_many_buckets_in_flight_keep_order_and_values() -> None:
                 sync.mark_ready()
             with sync.comm():
                 handles.append(coord.allreduce_async(g, name=f"b{k}"))
-        assert staging.held(coord._lane) >= 1, "nothing was held behind a copy"
+        assert staging.held(coord.lowlevel.user_lane) >= 1, "nothing was held behind a copy"
         for k, h in enumerate(handles):
             assert torch.equal(await h, torch.full_like(grads[k], float(k))), f"bucket {k}"
 

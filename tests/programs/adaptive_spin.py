@@ -38,7 +38,7 @@ async def timed_calls(c: asynclock.Coordinator, n: int, late_s: float = 0.0) -> 
 
 async def main() -> None:
     async with asynclock.start() as c:
-        lane, engine = c._lane, c.engine
+        lane, engine = c.lowlevel.user_lane, c.lowlevel.engine
         await timed_calls(c, 8)
         wall = await timed_calls(c, 8)
         recorded = list(lane.recent)

@@ -35,12 +35,12 @@ class FlipEvent:
 
 
 def held_allreduce(c: Coordinator, x: np.ndarray, event: FlipEvent | None) -> AllreduceOp:
-    lane = c._lane
+    lane = c.lowlevel.user_lane
     buf = as_buffer(x, writable=True)
     call = Call(Kind.ALLREDUCE, lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
                 shape=buf.shape, nbytes=buf.array.nbytes, name="held")
     op = AllreduceOp(lane, call, buf, buf.array, ReduceOp.SUM)
-    staging.submit_after(c.engine, lane, op, event)
+    staging.submit_after(c.lowlevel.engine, lane, op, event)
     return op
 
 
@@ -53,9 +53,9 @@ async def rounds(c: Coordinator) -> None:
         op = held_allreduce(c, x, event)
         later = c.allreduce_async(np.full(3, float(i)), name="later")
         assert (await later).tolist() == [i * c.size] * 3
-        await c.engine.wait(op)
+        await c.lowlevel.engine.wait(op)
         assert (x == total).all(), f"round {i}: {x[:3]}"
-    assert staging.held(c._lane) == 0
+    assert staging.held(c.lowlevel.user_lane) == 0
 
 
 async def stage_fault(c: Coordinator) -> None:
@@ -68,11 +68,11 @@ async def stage_fault(c: Coordinator) -> None:
         host = torch.ones(64)
         buf = as_buffer(host)
         buf.wrap = staging.Staged(torch.ones(64), host, buf.wrap, None, None)
-        call = Call(Kind.ALLREDUCE, c._lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
+        call = Call(Kind.ALLREDUCE, c.lowlevel.user_lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
                     shape=buf.shape, nbytes=buf.array.nbytes, name="cuda")
-        op = AllreduceOp(c._lane, call, buf, buf.array, ReduceOp.SUM)
+        op = AllreduceOp(c.lowlevel.user_lane, call, buf, buf.array, ReduceOp.SUM)
         try:
-            staging.submit(c.engine, c._lane, op)
+            staging.submit(c.lowlevel.engine, c.lowlevel.user_lane, op)
         except InvalidInputError as exc:
             assert "staging cpu tensor failed" in str(exc), exc
         else:

@@ -22,7 +22,7 @@ N = 70_000  # past the header's inline payload and the small-call sizes alike
 
 
 def group_calls(c: asynclock.Coordinator) -> int:
-    group = c.engine.lanes[0].transport.device_group
+    group = c.lowlevel.engine.lanes[0].transport.device_group
     assert group is not None and group.backend == "gloo", group
     return int(group.calls)
 

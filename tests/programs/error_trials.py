@@ -154,7 +154,7 @@ async def trial(c: Coord, t: int, seed: int) -> tuple[str, str]:
     if kind == "stray_named":
         await finish_stray(c, bad, t)
     stats = c.statistics()
-    lane = c._lane
+    lane = c.lowlevel.user_lane
     left = [(op.describe(), op.state.name, op.slot) for op in c._engine.inflight]
     assert stats.in_flight == 0 and lane.matcher is None, (t, kind, left, lane.matcher)
     return kind, seen

@@ -18,7 +18,7 @@ import asynclock
 
 
 def check_closed(c: asynclock.Coordinator, seconds: float) -> None:
-    assert c.watchdog is not None and not c.watchdog.statistics().running
+    assert c.lowlevel.watchdog is not None and not c.lowlevel.watchdog.statistics().running
     assert seconds < 5.0, f"shutdown took {seconds:.2f} s"
     report(c.rank, "done", f"shutdown {seconds:.3f} s")
 
@@ -26,14 +26,14 @@ def check_closed(c: asynclock.Coordinator, seconds: float) -> None:
 async def main() -> None:
     async with asynclock.start() as c:
         assert ((await c.allreduce(np.ones(2))) == c.size).all()
-        assert c.watchdog is not None and c.watchdog.statistics().running
+        assert c.lowlevel.watchdog is not None and c.lowlevel.watchdog.statistics().running
         t0 = time.perf_counter()
     check_closed(c, time.perf_counter() - t0)
 
 
 def main_sync() -> None:
     c = asynclock.init()
-    assert (c.run_sync(c.allreduce, np.ones(2)) == c.size).all()
+    assert (c.lowlevel.run_sync(c.allreduce, np.ones(2)) == c.size).all()
     if "--forget" in sys.argv:
         report(c.rank, "done", "leaving without shutdown()")
         return

@@ -40,13 +40,13 @@ async def main() -> None:
 def main_sync() -> None:
     c = asynclock.init()
     announce_pid(c.rank)
-    total = c.run_sync(c.allreduce, np.ones(4))
+    total = c.lowlevel.run_sync(c.allreduce, np.ones(4))
     assert (total == c.size).all()
     report(c.rank, "warmed")
     try:
         if c.rank == BAD:
             raise ValueError(f"boom from rank {c.rank}")
-        c.run_sync(c.allreduce, np.ones(1 << 16))
+        c.lowlevel.run_sync(c.allreduce, np.ones(1 << 16))
         report(c.rank, "unexpected")
     finally:
         if "--shutdown-in-finally" in sys.argv and c.rank == BAD:

@@ -108,12 +108,12 @@ async def check_cancel_detaches(c: asynclock.Coordinator) -> None:
 
 
 async def check_mismatch(c: asynclock.Coordinator) -> None:
-    chan = c.grad_lane.transport
+    chan = c.lowlevel.grad_lane.transport
     prefix = chan._prefix  # type: ignore[attr-defined]
     req = chan.iallreduce(None, np.ones((6,) if c.rank else (2, 3), np.float32), ReduceOp.SUM)
     error: BaseException | None = None
     try:
-        await c.engine.wait(c.engine.track(req, "direct horovod allreduce"))
+        await c.lowlevel.engine.wait(c.lowlevel.engine.track(req, "direct horovod allreduce"))
     except BaseException as exc:  # noqa: BLE001 - inspected below
         error = exc
     expect_backend_error(error, "Mismatched ALLREDUCE tensor shapes",
@@ -137,11 +137,11 @@ async def check_alive(c: asynclock.Coordinator) -> None:
 
 
 async def check_small_never_horovod(c: asynclock.Coordinator) -> None:
-    lane = c.on_lane(c.sync_lane)
+    lane = c.lowlevel.on_lane(c.lowlevel.sync_lane)
     for i in range(50):
         got = await lane.allreduce(torch.full((8,), float(i + c.rank)))
         assert torch.all(got == i * c.size + c.size * (c.size - 1) / 2)
-    chan = c.sync_lane.transport
+    chan = c.lowlevel.sync_lane.transport
     assert chan._issued == 0, chan._issued  # type: ignore[attr-defined]
     await lane.allreduce(torch.ones(1000))
     assert chan._issued == 1, chan._issued  # type: ignore[attr-defined]

@@ -221,7 +221,7 @@ def check_second_optimizer(h: Any) -> None:
     torch.nn.init.zeros_(model.weight)
     opt = h.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
-    assert opt._reducer.grad_lane is not runtime.coordinator().grad_lane  # its own channel
+    assert opt._reducer.grad_lane is not runtime.coordinator().lowlevel.grad_lane  # its own channel
     train_epoch(h, opt, model, [steps_of(r) + 1 for r in range(size)])
     report(rank, "hvd_second_optimizer")
 

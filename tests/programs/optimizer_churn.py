@@ -33,7 +33,7 @@ def snapshot() -> tuple[bool, tuple[int, int, int]]:
     hvd.allreduce(torch.ones(1))  # every rank has collected, and so started its releases
     released = wait_released(2.0)
     hvd.allreduce(torch.ones(1))  # lets the loop run what the finalizers handed it
-    lanes = len(runtime.coordinator().more_grad_lanes)
+    lanes = len(runtime.coordinator().lowlevel.more_grad_lanes)
     return released, (threading.active_count(), open_windows(), lanes)
 
 

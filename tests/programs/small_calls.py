@@ -51,14 +51,14 @@ async def check_broadcast_barrier(c: asynclock.Coordinator) -> None:
         same = await (c.broadcast_async_(a, root) if not general else c.broadcast_(a, root))
         assert same is a and (a == root).all(), (i, a)
         await (c.barrier_async() if general else c.barrier())
-    before = c.small_path_statistics().handed_off
+    before = c.lowlevel.small_path_statistics().handed_off
     for _ in range(2):
         if c.rank == 0:
             await anyio.sleep(0.03)
         await c.barrier(name="late")
         got = await c.broadcast(torch.full((1,), float(c.rank + 1)), root=0)
         assert torch.equal(got, torch.ones(1)), got
-    handed = c.small_path_statistics().handed_off - before
+    handed = c.lowlevel.small_path_statistics().handed_off - before
     assert c.rank == 0 or handed >= 2, f"rank {c.rank} handed off {handed} of 4"
     report(c.rank, "broadcast_barrier")
 
@@ -66,7 +66,7 @@ async def check_broadcast_barrier(c: asynclock.Coordinator) -> None:
 async def check_mid_size(c: asynclock.Coordinator) -> None:
     """Above 128 B the data follows in its own allreduce from the same call; mixed
     with the general path, in place and not, sum/average/max, up to 900 KB."""
-    before = c.small_path_statistics()
+    before = c.lowlevel.small_path_statistics()
     for i, n in enumerate((33, 5000, 5000, 230_000)):
         for op in ("sum", "average", "max"):
             general = (c.rank + i) % 2 == 0
@@ -87,7 +87,7 @@ async def check_mid_size(c: asynclock.Coordinator) -> None:
             t = torch.full((230_000,), float(c.rank + i))
             got = await c.allreduce(t)
             assert torch.equal(got, torch.full((230_000,), i * c.size + tri(c.size)))
-    after = c.small_path_statistics()
+    after = c.lowlevel.small_path_statistics()
     data = int((await c.allreduce(np.array([after.data_handed_off - before.data_handed_off])))[0])
     assert "--short-spin" not in sys.argv or data > 0, "no data stage went to the engine"
     report(c.rank, "mid_size", f"data_handed_off={data}")
@@ -95,13 +95,13 @@ async def check_mid_size(c: asynclock.Coordinator) -> None:
 
 async def check_hand_off(c: asynclock.Coordinator) -> None:
     """Rank 0 arrives 30 ms late: every other rank's spin ends and the engine finishes."""
-    before = c.small_path_statistics().handed_off
+    before = c.lowlevel.small_path_statistics().handed_off
     for i in range(4):
         if c.rank == 0:
             await anyio.sleep(0.03)
         got = await c.allreduce_(np.full(2, float(i + c.rank)))
         assert (got == i * c.size + tri(c.size)).all(), (i, got)
-    handed = c.small_path_statistics().handed_off - before
+    handed = c.lowlevel.small_path_statistics().handed_off - before
     # rank 0 may hand off too: its round can need a peer that now polls with backoff
     assert c.rank == 0 or handed == 4, f"rank {c.rank} handed off {handed} of 4"
     got = await c.allreduce(torch.ones(5))  # fresh buffers after the hand-offs
@@ -124,18 +124,18 @@ async def expect_shape_mismatch(c: asynclock.Coordinator) -> None:
 async def check_rows_only_when_asked(c: asynclock.Coordinator) -> None:
     """On MPI, agreeing calls cost the compact round alone; a mismatch costs one rows
     round (the error names every rank's call), and the next call is compact again."""
-    before = c.small_path_statistics().rows_rounds
+    before = c.lowlevel.small_path_statistics().rows_rounds
     t = torch.ones(3)
     for _ in range(20):
         await c.allreduce(t)
         await c.allreduce(torch.ones(1000))  # its data follows the header round
         await c.broadcast(t, root=c.size - 1)
         await c.barrier()
-    agreed = c.small_path_statistics().rows_rounds - before
-    compact = header_round.is_compact(c._lane.transport)
+    agreed = c.lowlevel.small_path_statistics().rows_rounds - before
+    compact = header_round.is_compact(c.lowlevel.user_lane.transport)
     assert agreed == (0 if compact else 80), agreed
     await expect_shape_mismatch(c)
-    mismatch = c.small_path_statistics().rows_rounds - before - agreed
+    mismatch = c.lowlevel.small_path_statistics().rows_rounds - before - agreed
     assert mismatch == 1, mismatch
     report(c.rank, "rows_only_when_asked")
 
@@ -413,7 +413,7 @@ async def check_node_round(c: asynclock.Coordinator) -> None:
     later ones wait, unwritten, for their records, and all finish with the right sums."""
     from mpi4py import MPI
 
-    lane = c._lane
+    lane = c.lowlevel.user_lane
     kind = "node" if lane.node_round is not None else (
         "c" if header_round.is_c(c._small._round) else "python")
     report(c.rank, f"round_{kind}")
@@ -433,7 +433,7 @@ async def check_node_round(c: asynclock.Coordinator) -> None:
 
 async def main() -> None:
     async with asynclock.start() as c:
-        before = c.small_path_statistics().calls
+        before = c.lowlevel.small_path_statistics().calls
         await check_folds(c)
         await check_mixed_paths(c)
         await check_node_round(c)
@@ -449,7 +449,7 @@ async def main() -> None:
         await check_hot_call(c)
         await check_cancelled_scope_still_issues(c)
         await check_yields(c)
-        assert c.small_path_statistics().calls > before + 640
+        assert c.lowlevel.small_path_statistics().calls > before + 640
         await c.drain(timeout=10)
         stats = c.statistics()
         assert stats.in_flight == 0 and stats.issued == stats.completed, stats

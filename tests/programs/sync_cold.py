@@ -43,8 +43,8 @@ async def idle_sleeps(c: asynclock.Coordinator, asked: list[float]) -> list[floa
 
 async def main() -> None:
     async with asynclock.start() as c:
-        svc = c.sync
-        warm_cap = c.engine.policy.max_sleep_s
+        svc = c.lowlevel.sync
+        warm_cap = c.lowlevel.engine.policy.max_sleep_s
         asked = record_sleeps(svc)
         assert svc._cold(), "a fresh coordinator has used no primitive"
         cold = await idle_sleeps(c, asked)

@@ -232,11 +232,11 @@ async def check_lease(c: asynclock.Coordinator, lk: Any) -> None:
         for _ in range(5):
             async with lk:
                 pass
-        sent = c.sync.sent
+        sent = c.lowlevel.sync.sent
         for _ in range(50):
             async with lk:
                 pass
-        assert c.sync.sent == sent, (sent, c.sync.sent)
+        assert c.lowlevel.sync.sent == sent, (sent, c.lowlevel.sync.sent)
         assert base(lk).statistics().cached == 1
     await c.barrier()
     if c.rank == 0:
@@ -368,7 +368,7 @@ async def main() -> None:
             report(c.rank, f"cancel_after_grant_{kind}")
             await check_cancel_grant_crossing(c, lk("cross", 0))
             report(c.rank, f"cancel_grant_crossing_{kind}")
-            if c.sync.policy.lease:
+            if c.lowlevel.sync.policy.lease:
                 await check_lease(c, lk("lease", 0))
                 await check_lease_recall_race(c, lk("race", 0))
                 report(c.rank, f"lease_{kind}")

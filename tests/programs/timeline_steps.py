@@ -71,7 +71,7 @@ def check_metrics(coord: asynclock.Coordinator, rec: metrics.StepRecorder) -> No
 
 async def main() -> None:
     async with asynclock.start() as coord:
-        assert timeline.attach(coord.engine), "ASYNCLOCK_TIMELINE is not set"
+        assert timeline.attach(coord.lowlevel.engine), "ASYNCLOCK_TIMELINE is not set"
         rec = metrics.recorder()
         for i in metrics.progress(range(STEPS), coord, mininterval=0):
             await step(coord, rec, i)

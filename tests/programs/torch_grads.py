@@ -444,7 +444,7 @@ def shm_eligible() -> bool:
     from asynclock.torch._grad.shm import eligible
 
     coord = runtime.coordinator()
-    return eligible(coord, coord.grad_lane) and os.environ.get("ASYNCLOCK_SHM", "1") != "0"
+    return eligible(coord, coord.lowlevel.grad_lane) and os.environ.get("ASYNCLOCK_SHM", "1") != "0"
 
 
 def main() -> None:

@@ -111,13 +111,13 @@ async def make_subset(coord: SubsetHost, ranks: Iterable[int]) -> Subset:
                                   f"{coord.backend.name})")
     ident = _ids[0] + 1  # counted once made: a failed make leaves every rank's count
     names = (f"set{ident}", f"set{ident}.grad")
-    lanes = await coord.make_lanes("process set", lambda: split(names, chosen), (True, False),
+    lanes = await coord.lowlevel.make_lanes("process set", lambda: split(names, chosen), (True, False),
                                    ranks=chosen)
     _ids[0] = ident
     if lanes is None:
         return Subset(chosen, coord.rank, ident, None, None)
     lane, grad_lane = lanes
-    return Subset(chosen, coord.rank, ident, coord.on_lane(lane), lane, grad_lane)
+    return Subset(chosen, coord.rank, ident, coord.lowlevel.on_lane(lane), lane, grad_lane)
 
 
 async def remove_subset(coord: SubsetHost, subset: Subset) -> None:
@@ -127,6 +127,6 @@ async def remove_subset(coord: SubsetHost, subset: Subset) -> None:
     subset.removed = True
     if subset.lane is not None:
         await coord.drain()
-        coord.remove_lane(subset.lane)
+        coord.lowlevel.remove_lane(subset.lane)
     if subset.grad_lane is not None:
-        coord.remove_lane(subset.grad_lane)
+        coord.lowlevel.remove_lane(subset.grad_lane)

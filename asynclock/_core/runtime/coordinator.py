@@ -33,7 +33,7 @@ from ..engine.join import join_lanes
 from ..engine.operation import Lane
 from ..engine.progress import Engine, EngineStatistics, ProgressPolicy
 from ..engine.small_calls import SmallCalls, SmallCallStatistics
-from ..sync import SyncPrimitives
+from ..sync import SyncPrimitives, SyncService
 from ..transports.base import Backend
 from . import failure
 from .watchdog import Watchdog
@@ -117,6 +117,11 @@ def make_backend(name: str, comm: Any = None) -> Backend:
 class Coordinator(Collectives, SyncPrimitives):
     """One per rank: the backend, the progress engine and the channels.
 
+    Its public attributes are the user face: collectives, cross-rank primitives,
+    identity, process sets, the train step and the engine's life. Plumbing (the
+    engine, its lanes, the hops from synchronous code to the loop) is under
+    `lowlevel`, as `trio.lowlevel` holds trio's.
+
     Args:
         backend: this rank's transport, made collectively; `init()` and `start()` make
             it and the coordinator, which is how a program gets one.
@@ -124,19 +129,19 @@ class Coordinator(Collectives, SyncPrimitives):
     """
 
     def __init__(self, backend: Backend, policy: ProgressPolicy | None = None) -> None:
-        self.backend = backend
+        self._backend = backend
         self._engine = Engine(policy)
         header_round.yield_when_idle(backend.local_size > _cores())
-        self._lane = self._add_lane("user", by_name=True)
+        self._lane = self._new_lane("user", by_name=True)
         path = getattr(backend, "device_path", None)  # chosen with the first channel
         if path is not None and path.path == "gloo-twin":
             staging.use_cpu_twin()
         self._small = SmallCalls(self._engine, self._lane)
-        self.grad_lane = self._add_lane("grad")
-        self.more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
-        self.sync_lane = self._add_lane("sync")
+        self._grad_lane = self._new_lane("grad")
+        self._more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
+        self._sync_lane = self._new_lane("sync")
         # collectives issued from inside a model (SyncBatchNorm), ordered by its layers
-        self.model_lane = self._add_lane("model")
+        self._model_lane = self._new_lane("model")
         self._loop_token: Any = None  # the caller's loop while `running()` (async API)
         self._loop_thread = 0
         self._closed = False
@@ -144,22 +149,30 @@ class Coordinator(Collectives, SyncPrimitives):
         self._portal_cm: Any = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._lock = threading.Lock()
-        self.watchdog = Watchdog.start_for(backend, self._engine, self.rank, self.size,
-                                           reform=failure.policy() == "reform")
+        self._watchdog = Watchdog.start_for(backend, self._engine, self.rank, self.size,
+                                            reform=failure.policy() == "reform")
+        self._lowlevel = Lowlevel(self)
 
-    def run_sync_then_start(self, fn: Callable[[], T]) -> T:
-        """`fn()` on the loop thread; the collectives it submits start only once
-        the caller has the result (how `hvd.*_async` returns before its
-        collective starts, so `poll()` right after it says False, as on Horovod).
-        A name already in use or bad input still raises here, before anything
-        is sent.
+    @property
+    def lowlevel(self) -> Lowlevel:
+        """The coordinator's plumbing: its progress engine, lanes and loop hops
+        (asynclock's own layers use it; see `Lowlevel`)."""
+        return self._lowlevel
 
-        Args:
-            fn: a function run on the loop thread; it may start collectives.
+    @property
+    def backend(self) -> Backend:
+        """The transport this rank uses, for diagnostics: `describe()` names it and
+        its MPI; an MPI backend's `bulk_choice` and `refused_connections()` tell how
+        large messages travel and which connections were refused."""
+        return self._backend
 
-        Returns:
-            What `fn` returned.
-        """
+    def _host(self) -> Lowlevel:
+        return self._lowlevel  # what the sync primitives need (`sync.SyncHost`)
+
+    def _new_lane(self, name: str, by_name: bool = False) -> Lane:
+        return self._engine.add_lane(Lane(self._backend.channel(name), by_name))
+
+    def _run_sync_then_start(self, fn: Callable[[], T]) -> T:
         returned = staging.Flag()
 
         async def go() -> T:
@@ -167,73 +180,11 @@ class Coordinator(Collectives, SyncPrimitives):
                 return fn()
 
         try:
-            return self.run_sync(go)
+            return self._run_sync(go)
         finally:
             returned.set()
             engine = self._engine
             engine.call_soon_threadsafe(lambda: staging.release_ready(engine))
-
-    def _add_lane(self, name: str, by_name: bool = False) -> Lane:
-        return self.add_lane(self.backend.channel(name), by_name)
-
-    def add_lane(self, channel: Any, by_name: bool = False) -> Lane:
-        """Serve `channel` (made collectively, e.g. a process set's) on this engine;
-        `by_name`: the user's calls, matched by name once ranks disagree.
-
-        Args:
-            channel: a transport channel made collectively.
-            by_name: match the lane's calls by name once ranks disagree.
-
-        Returns:
-            The new lane, served by this engine.
-        """
-        return self._engine.add_lane(Lane(channel, by_name))
-
-    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
-                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
-                         ) -> list[Lane] | None:
-        """Channels made after start-up (`engine.making`), served as lanes: agreed on the
-        user lane as a make of `what` for `ranks`, then `channels()` (a collective over
-        the world: None on ranks it leaves out) and each lane's own set-up run on a
-        wait thread. Every rank calls it, in the same order.
-
-        Args:
-            what: what is made, for the agreement's check and error messages.
-            channels: makes the channels: a collective over the world; None on ranks it
-                leaves out.
-            by_name: for each channel, whether its lane matches calls by name.
-            ranks: the ranks the make is for (empty: all).
-
-        Returns:
-            The lanes, or None on ranks the channels leave out.
-        """
-        self._check_open()
-
-        def build() -> list[Lane] | None:
-            made = channels()
-            if made is None:
-                return None
-            return [Lane(ch, named) for ch, named in zip(made, by_name, strict=True)]
-
-        def discard(lanes: list[Lane] | None) -> None:
-            for lane in lanes or ():
-                self.backend.close_channel(lane.transport)
-
-        lanes = await making.make(self._engine, self._lane, what, build, ranks=ranks,
-                                  discard=discard)
-        for lane in lanes or ():
-            if lane not in self._engine.lanes:  # a second caller of the same make
-                self._engine.add_lane(lane)
-        return lanes
-
-    def remove_lane(self, lane: Lane) -> None:
-        """Stop serving a lane with nothing in flight and free its channel.
-
-        Args:
-            lane: a lane with nothing in flight.
-        """
-        self._engine.retire_lane(lane)
-        self.backend.close_channel(lane.transport)
 
     async def join(self) -> int:
         """This rank has no more data: until every rank has joined, stand in for
@@ -251,8 +202,8 @@ class Coordinator(Collectives, SyncPrimitives):
             ShutdownError: the coordinator was shut down.
         """
         self._check_open()
-        return await join_lanes(self._engine, [self._lane, self.grad_lane, self.sync_lane,
-                                               self.model_lane, *self.more_grad_lanes])
+        return await join_lanes(self._engine, [self._lane, self._grad_lane, self._sync_lane,
+                                               self._model_lane, *self._more_grad_lanes])
 
     # -- process sets (api.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:
@@ -288,42 +239,33 @@ class Coordinator(Collectives, SyncPrimitives):
     # -- identity ----------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self.backend.rank
+        """This rank's index in the job, 0 to `size - 1`."""
+        return self._backend.rank
 
     @property
     def size(self) -> int:
-        return self.backend.size
+        """The number of ranks in the job."""
+        return self._backend.size
 
     @property
     def local_rank(self) -> int:
-        return self.backend.local_rank
+        """This rank's index among the ranks on its host."""
+        return self._backend.local_rank
 
     @property
     def local_size(self) -> int:
-        return self.backend.local_size
+        """The number of ranks on this rank's host."""
+        return self._backend.local_size
 
     @property
     def cross_rank(self) -> int:
-        return self.backend.cross_rank
+        """This rank's index among the ranks that share its local rank, one per host."""
+        return self._backend.cross_rank
 
     @property
     def cross_size(self) -> int:
-        return self.backend.cross_size
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
-
-    def on_lane(self, lane: Lane) -> LaneCollectives:
-        """The collective API on another private channel (e.g. `grad_lane`).
-
-        Args:
-            lane: a lane of this coordinator.
-
-        Returns:
-            The collective API on that lane.
-        """
-        return LaneCollectives(self._engine, lane, self._check_open)
+        """The number of ranks that share this rank's local rank."""
+        return self._backend.cross_size
 
     def statistics(self) -> EngineStatistics:
         """In-flight and completed counts of this rank's progress engine.
@@ -332,14 +274,6 @@ class Coordinator(Collectives, SyncPrimitives):
             The engine's exact counts (no communication).
         """
         return self._engine.statistics()
-
-    def small_path_statistics(self) -> SmallCallStatistics:
-        """User-lane calls on the small-message path (`engine.small_calls`), and hand-offs.
-
-        Returns:
-            The user lane's small-path counts.
-        """
-        return self._small.statistics()
 
     def train_step(self, optimizer: Any, **options: Any) -> Any:
         """`async with coord.train_step(optimizer) as step:` (the torch integration's
@@ -387,7 +321,7 @@ class Coordinator(Collectives, SyncPrimitives):
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._engine.run)
-                await tg.start(self.sync.run)
+                await tg.start(self._service.run)
                 try:
                     yield self
                     await self.drain()
@@ -422,25 +356,10 @@ class Coordinator(Collectives, SyncPrimitives):
         with anyio.fail_after(timeout):
             await wait_until(lambda: not self._engine.inflight, Backoff.every(DRAIN_POLL_S))
 
-    def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run `fn(*args)` on whichever loop runs the engine and wait for it: for
-        synchronous code that needs a collective (a layer's forward or backward).
-
-        Never on that loop's own thread: the wait would block the loop.
-
-        Args:
-            fn: an async function.
-            *args: passed to `fn`.
-
-        Returns:
-            What `fn` returned.
-
-        Raises:
-            RuntimeError: called on the loop's own thread.
-        """
+    def _call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         token = self._loop_token
         if token is None:
-            return self.run_sync(fn, *args)
+            return self._run_sync(fn, *args)
         if threading.get_ident() == self._loop_thread:
             raise RuntimeError("a blocking collective on the event loop's thread would block "
                                "the loop: run this code in a worker thread "
@@ -449,24 +368,7 @@ class Coordinator(Collectives, SyncPrimitives):
         return result
 
     # -- synchronous use (Horovod style) ------------------------------------------
-    def run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run `fn(*args)` on the engine's private loop thread and wait for it.
-
-        The caller's thread is blocked meanwhile, so latency is all that counts:
-        the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
-        1 ms sleeps, which would add most of a sleep to every small call, and
-        past that never sleeps longer than `blocked_max_sleep_s` while it waits.
-
-        Args:
-            fn: an async function.
-            *args: passed to `fn`.
-
-        Returns:
-            What `fn` returned.
-
-        Raises:
-            ShutdownError: the coordinator was shut down.
-        """
+    def _run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         result: T = self._sync_portal().call(self._eagerly, fn, *args)
         return result
 
@@ -488,14 +390,14 @@ class Coordinator(Collectives, SyncPrimitives):
             # anyio refuses start_task_soon on the loop thread: start the portal-owned
             # tasks from this thread, then wait on the loop until they run.
             self._portal.start_task_soon(self._engine.run)
-            self._portal.start_task_soon(self.sync.run)
+            self._portal.start_task_soon(self._service.run)
             self._portal.call(self._start_engine_task)
             self._portal.call(name_os_thread, "asynclock-loop")
         return self._portal
 
     async def _start_engine_task(self) -> None:
         """Inside the portal loop: wait until the portal-owned tasks run."""
-        await wait_until(lambda: self._engine.running and self.sync.running, Backoff.every(0.0))
+        await wait_until(lambda: self._engine.running and self._service.running, Backoff.every(0.0))
 
     def shutdown(self) -> None:
         """Drain in-flight work, stop the loop thread and free communicators."""
@@ -511,22 +413,13 @@ class Coordinator(Collectives, SyncPrimitives):
             log.warning("asynclock shutdown with %d collectives in flight",
                         len(self._engine.inflight))
         self._closed = True
-        if self.watchdog is not None:
-            self.watchdog.close()  # tells the peers `closing` before the comms go
-        self.backend.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.close()  # tells the peers `closing` before the comms go
+        self._backend.shutdown()
         if self is _global:
             settings.forget()
 
-    def abandon(self, error: BaseException, lost: bool = True) -> None:
-        """Leave this world without draining it: it `lost` a rank, or the job re-forms
-        (`runtime.elastic`). Every operation in flight, and every later call, fails
-        with `error`; the loop thread, the watchdog and the backend stop (Horovod too,
-        when asynclock started it), and the process goes on.
-
-        Args:
-            error: what every operation in flight, and every later call, fails with.
-            lost: the world lost a rank (False: it re-forms on purpose).
-        """
+    def _abandon(self, error: BaseException, lost: bool = True) -> None:
         if self._closed:
             return
         engine = self._engine
@@ -538,9 +431,9 @@ class Coordinator(Collectives, SyncPrimitives):
         elif engine.failure is None:
             engine.fail_all(error)  # no loop runs it (the async API left `running()`)
         self._closed = True
-        if self.watchdog is not None:
-            self.watchdog.close()  # says `closing` unless it already gave its verdict
-        self.backend.shutdown(lost=lost)
+        if self._watchdog is not None:
+            self._watchdog.close()  # says `closing` unless it already gave its verdict
+        self._backend.shutdown(lost=lost)
         if self is _global:
             settings.forget()
 
@@ -550,6 +443,140 @@ class Coordinator(Collectives, SyncPrimitives):
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         return await self._running_cm.__aexit__(*exc)
+
+
+class Lowlevel:
+    """`coord.lowlevel`: the coordinator's plumbing, kept off its user face (as
+    `trio.lowlevel` and `anyio.lowlevel` keep theirs). asynclock's own layers use
+    it: the Horovod drop-in's hops from synchronous code to the loop, the gradient
+    engine's lanes, process sets, checkpoints and elastic jobs; so may a tool that
+    extends asynclock. Nothing here checks its input across ranks the way the
+    collectives do."""
+
+    __slots__ = ("_coord",)
+
+    def __init__(self, coord: Coordinator) -> None:
+        self._coord = coord
+
+    # -- the engine and its lanes --------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """This rank's progress engine (`engine.progress`)."""
+        return self._coord._engine
+
+    @property
+    def user_lane(self) -> Lane:
+        """The lane of the coordinator's own collectives, matched by name."""
+        return self._coord._lane
+
+    @property
+    def grad_lane(self) -> Lane:
+        """The first gradient reducer's lane."""
+        return self._coord._grad_lane
+
+    @property
+    def more_grad_lanes(self) -> list[Lane]:
+        """One lane per further gradient reducer (join serves them too)."""
+        return self._coord._more_grad_lanes
+
+    @property
+    def sync_lane(self) -> Lane:
+        """The cross-rank primitives' messages (`sync`)."""
+        return self._coord._sync_lane
+
+    @property
+    def model_lane(self) -> Lane:
+        """Collectives issued from inside a model (SyncBatchNorm), in its layers' order."""
+        return self._coord._model_lane
+
+    @property
+    def sync(self) -> SyncService:
+        """The sync lane's message pump; it runs with the engine on every rank."""
+        return self._coord._service
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """The heartbeat watchdog (None in a one-rank world)."""
+        return self._coord._watchdog
+
+    def add_lane(self, channel: Any, by_name: bool = False) -> Lane:
+        """Serve `channel` (made collectively, e.g. a process set's) on this engine;
+        `by_name`: the user's calls, matched by name once ranks disagree."""
+        return self._coord._engine.add_lane(Lane(channel, by_name))
+
+    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
+                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
+                         ) -> list[Lane] | None:
+        """Channels made after start-up (`engine.making`), served as lanes: agreed on the
+        user lane as a make of `what` for `ranks`, then `channels()` (a collective over
+        the world: None on ranks it leaves out) and each lane's own set-up run on a
+        wait thread. Every rank calls it, in the same order."""
+        coord = self._coord
+        coord._check_open()
+
+        def build() -> list[Lane] | None:
+            made = channels()
+            if made is None:
+                return None
+            return [Lane(ch, named) for ch, named in zip(made, by_name, strict=True)]
+
+        def discard(lanes: list[Lane] | None) -> None:
+            for lane in lanes or ():
+                coord.backend.close_channel(lane.transport)
+
+        engine = coord._engine
+        lanes = await making.make(engine, coord._lane, what, build, ranks=ranks,
+                                  discard=discard)
+        for lane in lanes or ():
+            if lane not in engine.lanes:  # a second caller of the same make
+                engine.add_lane(lane)
+        return lanes
+
+    def remove_lane(self, lane: Lane) -> None:
+        """Stop serving a lane with nothing in flight and free its channel."""
+        self._coord._engine.retire_lane(lane)
+        self._coord.backend.close_channel(lane.transport)
+
+    def on_lane(self, lane: Lane) -> LaneCollectives:
+        """The collective API on another lane (e.g. `grad_lane`)."""
+        return LaneCollectives(self._coord._engine, lane, self._coord._check_open)
+
+    def small_path_statistics(self) -> SmallCallStatistics:
+        """User-lane calls on the small-message path (`engine.small_calls`), and hand-offs."""
+        return self._coord._small.statistics()
+
+    # -- from synchronous code -------------------------------------------------------
+    def run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `fn(*args)` on the engine's private loop thread and wait for it.
+
+        The caller's thread is blocked meanwhile, so latency is all that counts:
+        the poller tests tightly for `SYNC_EAGER_S` instead of backing off to
+        1 ms sleeps, which would add most of a sleep to every small call, and
+        past that never sleeps longer than `blocked_max_sleep_s` while it waits.
+        """
+        return self._coord._run_sync(fn, *args)
+
+    def run_sync_then_start(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the loop thread; the collectives it submits start only once
+        the caller has the result (how `hvd.*_async` returns before its
+        collective starts, so `poll()` right after it says False, as on Horovod).
+        A name already in use or bad input still raises here, before anything
+        is sent."""
+        return self._coord._run_sync_then_start(fn)
+
+    def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `fn(*args)` on whichever loop runs the engine and wait for it: for
+        synchronous code that needs a collective (a layer's forward or backward).
+
+        Never on that loop's own thread: the wait would block the loop."""
+        return self._coord._call_blocking(fn, *args)
+
+    def abandon(self, error: BaseException, lost: bool = True) -> None:
+        """Leave this world without draining it: it `lost` a rank, or the job re-forms
+        (`runtime.elastic`). Every operation in flight, and every later call, fails
+        with `error`; the loop thread, the watchdog and the backend stop (Horovod too,
+        when asynclock started it), and the process goes on."""
+        self._coord._abandon(error, lost)
 
 
 # -- what layers above provide ---------------------------------------------------------
@@ -593,7 +620,7 @@ def init(backend: str = "auto", *, comm: Any = None,
         settings.load()  # every ASYNCLOCK_* setting is read and checked here, once
         chosen = choose_backend(backend)
         _global = Coordinator(make_backend(chosen, comm), policy)
-        agree_config(_global.engine, _global._lane, _global.backend.name)
+        agree_config(_global._engine, _global._lane, _global.backend.name)
         failure.install_excepthook(_global.rank, _global.size, _live_rank)
         if _global.rank == 0:
             log.info("asynclock backend: %s", _global.backend.describe())
@@ -670,7 +697,7 @@ async def start(backend: str = "auto", *, comm: Any = None,
             yield coord
     except BaseException as exc:
         # by default: stop every rank, print once
-        failure.on_uncaught(coord.rank, coord.size, coord.watchdog, exc)
+        failure.on_uncaught(coord.rank, coord.size, coord._watchdog, exc)
         raise
     finally:
         if shutdown_on_exit:
@@ -770,4 +797,4 @@ device.use_local_rank(_local_rank_if_running)
 def _live_rank() -> tuple[int, int, Watchdog | None] | None:
     """The open process-wide coordinator's rank, size and watchdog (the excepthook's)."""
     coord = _global
-    return None if coord is None or coord._closed else (coord.rank, coord.size, coord.watchdog)
+    return None if coord is None or coord._closed else (coord.rank, coord.size, coord._watchdog)

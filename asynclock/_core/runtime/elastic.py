@@ -113,7 +113,7 @@ def lost_world(exc: BaseException) -> RankFailedError | None:
     if failure.policy() != "reform" or not any(_ends_world(e) for e in _leaves(exc)):
         return None
     coord = runtime._global
-    dog = coord.watchdog if coord is not None else None
+    dog = coord.lowlevel.watchdog if coord is not None else None
     if dog is not None:
         dog.check_now()
         poll_until(lambda: dog.lost is not None, Backoff.every(NAME_POLL_S),
@@ -139,9 +139,9 @@ def reform(lost: RankFailedError | None = None) -> runtime.Coordinator:
     reason = lost or RankFailedError("the job re-forms: hosts were added or removed")
     for hook in _leaving:
         hook(old)
-    policy: ProgressPolicy = old.engine.policy
+    policy: ProgressPolicy = old.lowlevel.engine.policy
     rank = old.rank
-    old.abandon(reason, lost=lost is not None)
+    old.lowlevel.abandon(reason, lost=lost is not None)
     what = f" after {lost}" if lost is not None else ""
     cut_off = driver_unreachable(dict(os.environ), settings.number("ASYNCLOCK_DEAD_AFTER_S"))
     if cut_off is not None:
@@ -259,7 +259,7 @@ class State:
             HostsUpdatedInterrupt: on every rank, where rank 0 heard of a host change
                 since the last check.
         """
-        runtime.coordinator().run_sync(self.check_host_updates_async)
+        runtime.coordinator().lowlevel.run_sync(self.check_host_updates_async)
 
     async def check_host_updates_async(self) -> None:
         """`check_host_updates()` on the event loop (the async API)."""
@@ -279,7 +279,7 @@ class State:
 
     def sync(self) -> None:
         """Copy rank 0's committed state to every rank (a collective)."""
-        runtime.coordinator().run_sync(self.sync_async)
+        runtime.coordinator().lowlevel.run_sync(self.sync_async)
 
     async def sync_async(self) -> None:
         """`sync()` on the event loop (the async API)."""
@@ -426,7 +426,7 @@ async def run_elastic(func: Callable[..., Awaitable[T]], state: State, *args: An
     except BaseException as exc:
         live = runtime._global
         if live is not None and not live._closed:
-            failure.on_uncaught(live.rank, live.size, live.watchdog, exc)
+            failure.on_uncaught(live.rank, live.size, live.lowlevel.watchdog, exc)
         raise
     finally:
         await anyio.to_thread.run_sync(runtime.shutdown)

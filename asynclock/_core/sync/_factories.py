@@ -1,7 +1,7 @@
 """The coordinator's factories for cross-rank primitives (mixed into Coordinator).
 
 Each name maps to one object per rank, shared by that rank's tasks; the
-message pump (`coord.sync`) is created on first use and runs with the
+message pump (`coord.lowlevel.sync`) is created on first use and runs with the
 progress engine for the whole of `coord.running()`.
 """
 
@@ -26,18 +26,18 @@ class SyncPrimitives:
 
     _sync: SyncService | None = None
 
-    def _me(self) -> SyncHost:
-        return self  # type: ignore[return-value]
+    def _host(self) -> SyncHost:
+        raise NotImplementedError
 
     @property
-    def sync(self) -> SyncService:
-        """The sync lane's message pump; it runs with the engine on every rank."""
+    def _service(self) -> SyncService:
+        """The sync lane's message pump, made on first use."""
         if self._sync is None:
-            self._sync = SyncService(self._me())
+            self._sync = SyncService(self._host())
         return self._sync
 
     def _one(self, kind: str, name: str, make: Any) -> Any:
-        return self.sync.primitive(kind, name, make)
+        return self._service.primitive(kind, name, make)
 
     def lock(self, name: str) -> Lock:
         """The cross-rank lock `name`: FIFO, cancellation-safe, `acquire(timeout=)`.
@@ -49,7 +49,7 @@ class SyncPrimitives:
         Returns:
             The rank's `Lock` of that name, made on first use.
         """
-        lock: Lock = self._one("lock", name, lambda: Lock(self.sync, name))
+        lock: Lock = self._one("lock", name, lambda: Lock(self._service, name))
         return lock
 
     def semaphore(self, name: str, n: int) -> Semaphore:
@@ -66,7 +66,7 @@ class SyncPrimitives:
         Raises:
             ValueError: this rank made the semaphore with another `n`, or `n` is below 1.
         """
-        sem: Semaphore = self._one("semaphore", name, lambda: Semaphore(self.sync, name, n))
+        sem: Semaphore = self._one("semaphore", name, lambda: Semaphore(self._service, name, n))
         if sem.capacity != n:
             raise ValueError(f"semaphore {name!r} already exists with n={sem.capacity}")
         return sem
@@ -82,7 +82,7 @@ class SyncPrimitives:
             The rank's `Condition` of that name, made on first use.
         """
         cond: Condition = self._one("condition", name,
-                                    lambda: Condition(self.sync, name, self.lock(name)))
+                                    lambda: Condition(self._service, name, self.lock(name)))
         return cond
 
     def event(self, name: str) -> Event:
@@ -95,7 +95,7 @@ class SyncPrimitives:
         Returns:
             The rank's `Event` of that name, made on first use.
         """
-        event: Event = self._one("event", name, lambda: Event(self.sync, name))
+        event: Event = self._one("event", name, lambda: Event(self._service, name))
         return event
 
     def sequential(self, name: str) -> Sequential:
@@ -108,7 +108,7 @@ class SyncPrimitives:
         Returns:
             The rank's `Sequential` of that name, made on first use.
         """
-        seq: Sequential = self._one("sequential", name, lambda: Sequential(self.sync, name))
+        seq: Sequential = self._one("sequential", name, lambda: Sequential(self._service, name))
         return seq
 
     def consistency_point(self, name: str) -> ConsistencyPoint:
@@ -122,6 +122,6 @@ class SyncPrimitives:
             The rank's `ConsistencyPoint` of that name, made on first use.
         """
         point: ConsistencyPoint = self._one("point", name,
-                                            lambda: ConsistencyPoint(self._me(), name))
+                                            lambda: ConsistencyPoint(self._host(), name))
         return point
 

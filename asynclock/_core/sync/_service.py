@@ -112,7 +112,7 @@ class Ticket:
 
 
 class SyncHost(Protocol):
-    """What the sync primitives need of the coordinator."""
+    """What the sync primitives need of the coordinator: its plumbing (`coord.lowlevel`)."""
 
     @property
     def sync_lane(self) -> Lane: ...

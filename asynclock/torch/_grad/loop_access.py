@@ -1,7 +1,7 @@
 """How threads reach the rank's event loop, for both APIs.
 
 The Horovod-style API runs the engine on the coordinator's private loop
-thread (`coord.run_sync`); the async API runs it on the user's loop. Either
+thread (`coord.lowlevel.run_sync`); the async API runs it on the user's loop. Either
 way a hook thread needs a fire-and-forget `call_soon` (it must never wait
 for the loop), and a consumer thread needs a blocking `run` for the rare
 collective it starts itself (the one-time plan broadcast).
@@ -37,8 +37,8 @@ async def _capture() -> tuple[Callable[[Callable[[], object]], None], int]:
 
 def private_loop(coord: Coordinator) -> LoopAccess:
     """For the Horovod API: the coordinator's private loop thread."""
-    call_soon, ident = coord.run_sync(_capture)
-    return LoopAccess(call_soon, coord.run_sync, ident)
+    call_soon, ident = coord.lowlevel.run_sync(_capture)
+    return LoopAccess(call_soon, coord.lowlevel.run_sync, ident)
 
 
 def running_loop() -> LoopAccess:

@@ -74,8 +74,8 @@ def stop_workers() -> None:
 
 
 def gradient_lane(coord: Coordinator) -> Lane:
-    """The first reducer of a coordinator uses `coord.grad_lane`; each further one
-    gets a channel of its own, made as an agreed call (`Coordinator.make_lanes`):
+    """The first reducer of a coordinator uses `coord.lowlevel.grad_lane`; each further one
+    gets a channel of its own, made as an agreed call (`Coordinator.lowlevel.make_lanes`):
     every rank creates reducers in the same order, and a rank that makes one
     more than the others gets an error, as they do, instead of a hang. Rounds of
     different optimizers may then overlap in any timing without ever interleaving
@@ -83,12 +83,12 @@ def gradient_lane(coord: Coordinator) -> Lane:
     n = _lanes.get(coord, 0)
     if n == 0:
         _lanes[coord] = 1
-        return coord.grad_lane
-    lanes = coord.call_blocking(coord.make_lanes, "gradient lane",
+        return coord.lowlevel.grad_lane
+    lanes = coord.lowlevel.call_blocking(coord.lowlevel.make_lanes, "gradient lane",
                                 lambda: [coord.backend.channel(f"grad{n}")], (False,))
     assert lanes is not None  # every rank is in the world
     _lanes[coord] = n + 1  # counted once made, on every rank alike
-    coord.more_grad_lanes.extend(lanes)
+    coord.lowlevel.more_grad_lanes.extend(lanes)
     return lanes[0]
 
 
@@ -153,13 +153,13 @@ class Reducer:
             raise NotImplementedError(
                 f"CUDA parameters ({registry.device}) need the NCCL path: every rank with a "
                 f"GPU of its own and torch with NCCL; this job's: {describe_path()}")
-        self.lane: LaneCollectives = coord.on_lane(lane)
+        self.lane: LaneCollectives = coord.lowlevel.on_lane(lane)
         self.pre, self.post = options.scales(lane.size)  # a process set's, or the world's
         self.specs = registry.specs(options.wire_dtype)
         self.generation, self.rounds, self.passes = 0, 0, options.passes
         self.plan = self._plan(list(reversed(range(len(registry)))), None)
         self.storage = GradStorage(self.plan, registry, grouped=self._horovod_groups())
-        self.scheduler = Scheduler(coord.engine, lane, options.window_bytes)
+        self.scheduler = Scheduler(coord.lowlevel.engine, lane, options.window_bytes)
         self.bucketer = Bucketer(registry, self.storage, self._new_run, self._notify)
         self.bucketer.scale = self.pre
         self.bucketer.on_loop_thread = loop.on_loop_thread
@@ -176,7 +176,7 @@ class Reducer:
         self.updates = Updates(registry.params, self.unpack, self._apply, self._zero_grads,
                                loop.on_loop_thread, registry.describe)
         # a gradient lane of its own (not the coordinator's first, not a process set's)
-        self.held = Held(coord, lane, lane in coord.more_grad_lanes)
+        self.held = Held(coord, lane, lane in coord.lowlevel.more_grad_lanes)
         self.bucketer.register()
         _live.add(self)
 
@@ -430,7 +430,7 @@ class Reducer:
             self._retired_counts = (launched + self.transport.launched,
                                     completed + self.transport.completed)
         self.transport = None if arena is None else ShmTransport(
-            self.coord.engine, self.grad_lane, arena, plan, storage.peers, self.post,
+            self.coord.lowlevel.engine, self.grad_lane, arena, plan, storage.peers, self.post,
             self.loop.call_soon, storage.handed)
         if self.transport is not None:
             self.held.transports.append(self.transport)
@@ -445,7 +445,7 @@ class Reducer:
         comm = getattr(self.grad_lane.transport, "data", None)
         sizes = self._group_bytes(plan)
         arena: SharedArena = self.loop.run(partial(
-            making.make, self.coord.engine, self.grad_lane, "shm window",
+            making.make, self.coord.lowlevel.engine, self.grad_lane, "shm window",
             lambda: SharedArena(comm, sizes), discard=SharedArena.close))
         return arena
 
@@ -504,7 +504,7 @@ def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,
     # its window is made as an agreed call on the gradient lane (`engine.making`), on the
     # lane's wait thread while this thread waits for it
     shards: Shards = reducer.loop.run(partial(
-        making.make, reducer.coord.engine, reducer.grad_lane, "shard window",
+        making.make, reducer.coord.lowlevel.engine, reducer.grad_lane, "shard window",
         lambda: Shards(node, optimizer, base, reducer.registry, plan, flat)))
     shards.switch()
     transport.pipeline.shard = shards

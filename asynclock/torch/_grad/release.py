@@ -91,7 +91,7 @@ class Held:
             _stop_serving(coord, lane)
             retired.set()
 
-        if coord.engine.call_soon_threadsafe(on_loop):
+        if coord.lowlevel.engine.call_soon_threadsafe(on_loop):
             retired.wait(_LOOP_WAIT_S)
 
 
@@ -101,13 +101,13 @@ _LOOP_WAIT_S = 60.0  # the loop answers within a tick unless the job is stopping
 def _stop_serving(coord: Coordinator, lane: Lane) -> bool:
     """On the loop: stop serving a dropped optimizer's gradient lane, whose channel is
     freed with the others at shutdown (True when it stopped)."""
-    if coord._closed or lane not in coord.engine.lanes:
+    if coord._closed or lane not in coord.lowlevel.engine.lanes:
         return False
     if lane.queue:  # something of it is still in flight: it goes with the coordinator
         log.warning("asynclock: a dropped optimizer's gradient channel still has %d "
                     "operations in flight; it is freed at shutdown", len(lane.queue))
         return False
-    if lane in coord.more_grad_lanes:
-        coord.more_grad_lanes.remove(lane)
-    coord.engine.retire_lane(lane)
+    if lane in coord.lowlevel.more_grad_lanes:
+        coord.lowlevel.more_grad_lanes.remove(lane)
+    coord.lowlevel.engine.retire_lane(lane)
     return True

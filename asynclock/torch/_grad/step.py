@@ -158,7 +158,7 @@ class TrainStep:
         return self._reducer
 
     async def _build(self) -> None:
-        """First entry: a channel (an agreed make, `Coordinator.make_lanes`, waited for
+        """First entry: a channel (an agreed make, `Coordinator.lowlevel.make_lanes`, waited for
         from a worker thread), the hooks, and the cross-rank agreement on parameters
         and options."""
         model = None

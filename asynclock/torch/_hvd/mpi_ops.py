@@ -2,7 +2,7 @@
 
 `allreduce_async` returns an integer handle as Horovod does; `poll(h)` and
 `synchronize(h)` complete it. Each call hops to the private loop thread
-(`coord.run_sync`) to start or await the checked collective, so the same
+(`coord.lowlevel.run_sync`) to start or await the checked collective, so the same
 header checks, mismatch errors and progress engine serve both APIs. The
 default reduce op is Average, as in Horovod.
 
@@ -52,13 +52,13 @@ def _start(fn: Callable[[], T]) -> T:
     async def go() -> T:
         return fn()
 
-    return runtime.coordinator().run_sync(go)
+    return runtime.coordinator().lowlevel.run_sync(go)
 
 
 def _start_async(fn: Callable[[], T]) -> T:
     """`_start` for an `*_async` call: its collective starts once the caller has
     the handle, so `poll()` right after it may say False, as on Horovod."""
-    return runtime.coordinator().run_sync_then_start(fn)
+    return runtime.coordinator().lowlevel.run_sync_then_start(fn)
 
 
 def _register(handle: Any, post: Post) -> int:
@@ -103,7 +103,7 @@ def synchronize(handle: int) -> Any:
     async def wait() -> Any:
         return await h
 
-    return post(runtime.coordinator().run_sync(wait))
+    return post(runtime.coordinator().lowlevel.run_sync(wait))
 
 
 # -- allreduce --------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
                                postscale_factor)
     api = api_of(process_set)
-    out: torch.Tensor = post(runtime.coordinator().run_sync(
+    out: torch.Tensor = post(runtime.coordinator().lowlevel.run_sync(
         lambda: api.allreduce(work, rop, name=name)))
     return out
 
@@ -503,7 +503,7 @@ def _wait(handle: Handle) -> Any:
     async def wait() -> Any:
         return await handle
 
-    return runtime.coordinator().run_sync(wait)
+    return runtime.coordinator().lowlevel.run_sync(wait)
 
 
 # -- objects and coordination ------------------------------------------------------------
@@ -525,7 +525,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         ValueError: the name is in use, or `process_set` is not added.
     """
     api, root = api_of(process_set), root_of(process_set, root_rank)
-    return runtime.coordinator().run_sync(lambda: api.broadcast_object(obj, root, name=name))
+    return runtime.coordinator().lowlevel.run_sync(lambda: api.broadcast_object(obj, root, name=name))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
@@ -544,7 +544,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
         ValueError: the name is in use, or `process_set` is not added.
     """
     api = api_of(process_set)
-    return runtime.coordinator().run_sync(lambda: api.allgather_object(obj, name=name))
+    return runtime.coordinator().lowlevel.run_sync(lambda: api.allgather_object(obj, name=name))
 
 
 def barrier(process_set: Any = None) -> None:
@@ -557,7 +557,7 @@ def barrier(process_set: Any = None) -> None:
         ValueError: `process_set` is not added.
     """
     api = api_of(process_set)
-    runtime.coordinator().run_sync(api.barrier)
+    runtime.coordinator().lowlevel.run_sync(api.barrier)
 
 
 def join(device: int = -1) -> int:
@@ -575,7 +575,7 @@ def join(device: int = -1) -> int:
         The rank that joined last.
     """
     coord = runtime.coordinator()
-    return int(coord.run_sync(coord.join))
+    return int(coord.lowlevel.run_sync(coord.join))
 
 
 # -- grouped collectives and the remaining `*_async` ones ---------------------------------
@@ -936,9 +936,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     _timeline_out[:] = [file_path]
 
     async def attach() -> None:
-        timeline.attach(coord.engine)  # engine state is the loop's
+        timeline.attach(coord.lowlevel.engine)  # engine state is the loop's
 
-    coord.run_sync(attach)
+    coord.lowlevel.run_sync(attach)
 
 
 def stop_timeline() -> None:
@@ -947,10 +947,10 @@ def stop_timeline() -> None:
     out = _timeline_out[0] if _timeline_out else None
 
     async def finish() -> None:
-        coord.engine.on_event = None
+        coord.lowlevel.engine.on_event = None
         await timeline.finish(coord, out=out)
 
-    coord.run_sync(finish)
+    coord.lowlevel.run_sync(finish)
     _timeline_out.clear()
 
 

@@ -95,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._gate = ForwardGate(gate_model, registry, self._reducer.updates)
                 self._traced = trace_module(gate_model)
                 self._reducer.bucketer.before = self._reducer.updates.before_gradient
-            coord.run_sync(self._reducer.check_signature)
+            coord.lowlevel.run_sync(self._reducer.check_signature)
         except BaseException:
             self._remove_hooks()
             raise

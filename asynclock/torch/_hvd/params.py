@@ -128,7 +128,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
             dtype.
     """
     coord = runtime.coordinator()
-    coord.run_sync(broadcast_parameters_async, coord, params, root_rank)
+    coord.lowlevel.run_sync(broadcast_parameters_async, coord, params, root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
@@ -149,4 +149,4 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         ValueError: the optimizer is `torch.optim.LBFGS`, whose state cannot be broadcast.
     """
     coord = runtime.coordinator()
-    coord.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank, model)
+    coord.lowlevel.run_sync(broadcast_optimizer_state_async, coord, optimizer, root_rank, model)

@@ -98,7 +98,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     coord = runtime.coordinator()
     ranks = normalise(ps.ranks or [], coord.size)
-    subset = coord.run_sync(coord.process_set, ranks)
+    subset = coord.lowlevel.run_sync(coord.process_set, ranks)
     ps.ranks, ps.subset, ps.process_set_id = list(ranks), subset, subset.ident
     _by_id[subset.ident] = ps
     return ps
@@ -117,7 +117,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if not ident or ident not in _by_id or process_set.subset is None:
         return False
     coord = runtime.coordinator()
-    coord.run_sync(coord.remove_process_set, process_set.subset)
+    coord.lowlevel.run_sync(coord.remove_process_set, process_set.subset)
     del _by_id[ident]
     process_set.invalidate()
     return True

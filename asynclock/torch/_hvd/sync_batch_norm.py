@@ -102,10 +102,10 @@ class SyncBatchNorm(_BatchNorm):
 
 def _model_lane_sum(coord: Any) -> Reduce:
     """A blocking sum over ranks on the model lane, from any thread but the loop's."""
-    api = coord.on_lane(coord.model_lane)
+    api = coord.lowlevel.on_lane(coord.lowlevel.model_lane)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = coord.call_blocking(api.allreduce, t, "sum")
+        out: torch.Tensor = coord.lowlevel.call_blocking(api.allreduce, t, "sum")
         return out
 
     return reduce
