@@ -360,7 +360,8 @@ def test_cancelling_a_task_awaiting_a_held_op_still_submits_it(loop: str) -> Non
     async def main() -> None:
         async with Coordinator(LocalBackend()) as coord:
             event = GateEvent()
-            op = staging.submit_after(coord.lowlevel.engine, coord.lowlevel.user_lane, _barrier(coord), event)
+            low = coord.lowlevel
+            op = staging.submit_after(low.engine, low.user_lane, _barrier(coord), event)
             with anyio.move_on_after(0.01):
                 await coord.lowlevel.engine.wait(op)
             assert not op.done and op.detached
@@ -377,7 +378,8 @@ def test_gate_passes_completed_events_straight_through() -> None:
         async with Coordinator(LocalBackend()) as coord:
             done = GateEvent()
             done.done = True
-            op = staging.submit_after(coord.lowlevel.engine, coord.lowlevel.user_lane, _barrier(coord), done)
+            low = coord.lowlevel
+            op = staging.submit_after(low.engine, low.user_lane, _barrier(coord), done)
             assert op.done and staging.held(coord.lowlevel.user_lane) == 0
 
     anyio.run(main)

@@ -68,8 +68,8 @@ async def stage_fault(c: Coordinator) -> None:
         host = torch.ones(64)
         buf = as_buffer(host)
         buf.wrap = staging.Staged(torch.ones(64), host, buf.wrap, None, None)
-        call = Call(Kind.ALLREDUCE, c.lowlevel.user_lane.next_seq(), op=int(ReduceOp.SUM), dtype=buf.code,
-                    shape=buf.shape, nbytes=buf.array.nbytes, name="cuda")
+        call = Call(Kind.ALLREDUCE, c.lowlevel.user_lane.next_seq(), op=int(ReduceOp.SUM),
+                    dtype=buf.code, shape=buf.shape, nbytes=buf.array.nbytes, name="cuda")
         op = AllreduceOp(c.lowlevel.user_lane, call, buf, buf.array, ReduceOp.SUM)
         try:
             staging.submit(c.lowlevel.engine, c.lowlevel.user_lane, op)

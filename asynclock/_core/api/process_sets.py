@@ -22,6 +22,18 @@ from ..engine.operation import Lane
 from .collectives import LaneCollectives
 
 
+class LaneMaker(Protocol):
+    """The coordinator's plumbing that making and removing a set needs (`lowlevel`)."""
+
+    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
+                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
+                         ) -> list[Lane] | None: ...
+
+    def remove_lane(self, lane: Lane) -> None: ...
+
+    def on_lane(self, lane: Lane) -> LaneCollectives: ...
+
+
 class SubsetHost(Protocol):
     """What making and removing a set needs of the coordinator."""
 
@@ -34,13 +46,8 @@ class SubsetHost(Protocol):
     @property
     def backend(self) -> Any: ...
 
-    async def make_lanes(self, what: str, channels: Callable[[], Sequence[Any] | None],
-                         by_name: Sequence[bool], ranks: tuple[int, ...] = ()
-                         ) -> list[Lane] | None: ...
-
-    def remove_lane(self, lane: Lane) -> None: ...
-
-    def on_lane(self, lane: Lane) -> LaneCollectives: ...
+    @property
+    def lowlevel(self) -> LaneMaker: ...
 
     async def drain(self) -> None: ...
 
@@ -111,8 +118,8 @@ async def make_subset(coord: SubsetHost, ranks: Iterable[int]) -> Subset:
                                   f"{coord.backend.name})")
     ident = _ids[0] + 1  # counted once made: a failed make leaves every rank's count
     names = (f"set{ident}", f"set{ident}.grad")
-    lanes = await coord.lowlevel.make_lanes("process set", lambda: split(names, chosen), (True, False),
-                                   ranks=chosen)
+    lanes = await coord.lowlevel.make_lanes("process set", lambda: split(names, chosen),
+                                            (True, False), ranks=chosen)
     _ids[0] = ident
     if lanes is None:
         return Subset(chosen, coord.rank, ident, None, None)

@@ -525,7 +525,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         ValueError: the name is in use, or `process_set` is not added.
     """
     api, root = api_of(process_set), root_of(process_set, root_rank)
-    return runtime.coordinator().lowlevel.run_sync(lambda: api.broadcast_object(obj, root, name=name))
+    return runtime.coordinator().lowlevel.run_sync(
+        lambda: api.broadcast_object(obj, root, name=name))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
