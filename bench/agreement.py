@@ -77,7 +77,7 @@ async def main(args: argparse.Namespace) -> None:
                 samples[name].append(await per_call_async(fn, args.calls, WORLD.Barrier))
         calls = stats().calls - calls_before
         rows = None if rows_before is None else stats().rows_rounds - rows_before
-        node_round = getattr(getattr(coord, "_lane", None), "node_round", None) is not None
+        node_round = coord.lowlevel.user_lane.header_rounds.kind == "node"
         sent, received = header_bytes(0.0 if rows is None else rows / max(calls, 1), node_round)
         med = {name: median(s) for name, s in samples.items()}
         row = {"ranks": WORLD.Get_size(), "mpi": MPI.Get_library_version().split()[0],

@@ -19,7 +19,7 @@ from _common import report, run
 
 import asynclock
 from asynclock import InvalidInputError, MismatchError
-from asynclock._core.engine import fastpath, header_round
+from asynclock._core.engine import fastpath
 
 T = TypeVar("T")
 
@@ -132,7 +132,7 @@ async def check_rows_only_when_asked(c: asynclock.Coordinator) -> None:
         await c.broadcast(t, root=c.size - 1)
         await c.barrier()
     agreed = c.lowlevel.small_path_statistics().rows_rounds - before
-    compact = header_round.is_compact(c.lowlevel.user_lane.transport)
+    compact = c.lowlevel.user_lane.header_rounds.compact
     assert agreed == (0 if compact else 80), agreed
     await expect_shape_mismatch(c)
     mismatch = c.lowlevel.small_path_statistics().rows_rounds - before - agreed
@@ -402,7 +402,7 @@ async def check_folds(c: asynclock.Coordinator) -> None:
             assert all(row.tobytes() == got.tobytes() for row in everyone), (dtype, op, everyone)
         t = await c.allreduce(torch.from_numpy(x.copy()), op.name.lower())
         _same_fold(t.numpy(), want, exact, (dtype, op, "torch"))
-    fast = header_round.is_c(c._small._round)
+    fast = c.lowlevel.user_lane.header_rounds.in_c
     report(c.rank, "folds", "C" if fast else "python")
 
 
@@ -414,9 +414,7 @@ async def check_node_round(c: asynclock.Coordinator) -> None:
     from mpi4py import MPI
 
     lane = c.lowlevel.user_lane
-    kind = "node" if lane.node_round is not None else (
-        "c" if header_round.is_c(c._small._round) else "python")
-    report(c.rank, f"round_{kind}")
+    report(c.rank, f"round_{lane.header_rounds.kind}")
     n = fastpath.NODE_DEPTH * 3
     world = MPI.COMM_WORLD
     if c.rank > 0:

@@ -17,12 +17,14 @@ with the same states:
 
 On a channel with a compact round (MPI; `base.header`), `exchange(key,
 seq, data, spin, copy, out)` takes the call's 16-byte key (fingerprint key
-and fold code) and copies the reduced payload into `out` when `copy`:
-`PythonCompactRound`, or the C `CompactRound` (`_fastpath.c`, built per MPI
-library by `engine.fastpath`) where it is built. Elsewhere (the TCP mesh)
-`PythonRound` allgathers the packed slots, `exchange(header, seq, ...)`,
-and never folds. `compact_starter` is the compact round of the general
-path, with the same reduction op as the small-call round where C is built.
+and fold code) and copies the reduced payload into `out` when `copy`.
+Elsewhere (the TCP mesh) `PythonRound` allgathers the packed slots,
+`exchange(header, seq, ...)`, and never folds.
+
+`rounds_for(transport)` is the one place a channel's variant is chosen, when
+its lane is made; its `HeaderRounds` then makes every round of that channel:
+the small-call round (`small_round`) and the general path's compact round
+(`start`), both of the same variant, so both fold with the same op.
 """
 
 from __future__ import annotations
@@ -159,53 +161,74 @@ def is_compact(transport: Any) -> bool:
     return bool(getattr(transport, "compact", False))
 
 
-def node_round(transport: Any) -> Any:
-    """Collective: the channel's compact rounds through node shared memory (C), or
-    None on every rank (`fastpath.node_round_for`)."""
-    return fastpath.node_round_for(transport) if is_compact(transport) else None
+# A channel's header-round variants (`HeaderRounds.kind`):
+NODE = "node"  # compact rounds through node shared memory (C: `_fastpath.c`'s node round)
+C = "c"  # compact rounds on MPI with the C op (`_fastpath.c`, built per MPI library)
+PYTHON = "python"  # compact rounds on MPI with mpi4py calls (`PythonCompactRound`)
+ROWS = "rows"  # no compact round: the rows round on the channel's slot allgather
 
 
 def node_data(transport: Any, node: Any) -> Any:
-    """Collective, after `node_round`: the channel's mid-size allreduce data through node
+    """Collective, after `rounds_for`: the channel's mid-size allreduce data through node
     shared memory (C), or None on every rank (`fastpath.node_data_for`)."""
     return fastpath.node_data_for(transport, node)
 
 
-def round_for(transport: Any, send: Array, recv: Array, node: Any = None) -> Any:
-    """The compact round where the channel has one (through `node`, the lane's
-    `node_round`, where it has one; else C on MPI where built), else the rows round
-    on the channel's slot allgather. `send`/`recv`: COMPACT_WORDS each, or a slot
-    and `size` slots."""
-    if not is_compact(transport):
+class HeaderRounds:
+    """One channel's header rounds, of the variant `rounds_for` chose for it."""
+
+    __slots__ = ("kind", "start", "node", "_transport")
+
+    def __init__(self, kind: str, transport: Any, start: Start | None = None,
+                 node: Any = None) -> None:
+        self.kind = kind
+        self._transport = transport
+        # the general path's compact round `(send, recv) -> request` (None: rows only)
+        self.start = start
+        self.node = node  # the node round the compact rounds run through (kind NODE)
+
+    @property
+    def compact(self) -> bool:
+        return self.kind != ROWS
+
+    @property
+    def in_c(self) -> bool:
+        """The small-call round runs in C (it can fold, and arm a `HotAllreduce`)."""
+        return self.kind in (NODE, C)
+
+    def small_round(self, send: Array, recv: Array) -> Any:
+        """A small-call round on `send`/`recv`: COMPACT_WORDS each, or (rows) a slot
+        and `size` slots."""
+        transport = self._transport
+        if self.kind == NODE:
+            return fastpath.module().NodeCompactRound(  # type: ignore[union-attr]
+                self.node, send, recv)
+        if self.kind == C:
+            return fastpath.compact_round_for(transport, send, recv)
+        if self.kind == PYTHON:
+            return PythonCompactRound(transport.iallreduce_compact, send, recv)
         return PythonRound(transport.iallgather_slots, send, recv, transport.size)
-    if node is not None:
-        return fastpath.module().NodeCompactRound(node, send, recv)  # type: ignore[union-attr]
-    c_round = fastpath.compact_round_for(transport, send, recv)
-    if c_round is not None:
-        return c_round
-    return PythonCompactRound(transport.iallreduce_compact, send, recv)
+
+    def take_request(self, rnd: Any) -> Any:
+        """The request of a small-call round left IN_FLIGHT, as one the engine can own."""
+        return fastpath.take_request(rnd) if self.in_c else rnd.take()
 
 
-def compact_starter(transport: Any, node: Any = None) -> Start | None:
-    """The general path's compact round `(send, recv) -> request`, or None (no compact
-    round on this channel); through `node` where the lane has one, as its small calls."""
+def rounds_for(transport: Any) -> HeaderRounds:
+    """The channel's header-round variant (collective over the channel: whether the
+    compact rounds go through node memory is agreed). Node memory where every rank
+    of the channel can (`fastpath.node_round_for`), else the C op on MPI where the
+    extension is loaded, else mpi4py; the rows round alone where the channel has no
+    compact round (the TCP mesh)."""
     if not is_compact(transport):
-        return None
+        return HeaderRounds(ROWS, transport)
+    node = fastpath.node_round_for(transport)
     if node is not None:
-        return node.start  # type: ignore[no-any-return]
+        return HeaderRounds(NODE, transport, node.start, node)
     start: Start | None = fastpath.compact_starter(transport)
-    return start if start is not None else transport.iallreduce_compact
-
-
-def is_c(rnd: Any) -> bool:
-    return not isinstance(rnd, (PythonRound, PythonCompactRound))
-
-
-def take_request(rnd: Any) -> Any:
-    """The request of a round left IN_FLIGHT, as a request the engine can own."""
-    if isinstance(rnd, (PythonRound, PythonCompactRound)):
-        return rnd.take()
-    return fastpath.take_request(rnd)
+    if start is not None:
+        return HeaderRounds(C, transport, start)
+    return HeaderRounds(PYTHON, transport, transport.iallreduce_compact)
 
 
 def finished_request() -> Any:

@@ -113,13 +113,12 @@ class Lane:
         self.noted = 0  # small ops timed into `recent`, ever
         self.synchronous = 0  # small calls finished inside the call (`engine.small_calls`)
         self.spin_s: float | None = None  # set by the engine from `recent` (None: default)
-        # Compact rounds through node shared memory (collective; None: over MPI).
-        self.node_round = header_round.node_round(transport)
-        # Mid-size allreduces' data through the same node's memory (collective; the
-        # channel keeps it and picks it per call from agreed facts).
-        self.node_data = header_round.node_data(transport, self.node_round)
-        # The compact round's start (None: this channel has only the rows round).
-        self.compact_start = header_round.compact_starter(transport, self.node_round)
+        # Its header-round variant (collective: compact rounds through node memory
+        # are agreed); `header_rounds.start` is None where it has only the rows round.
+        self.header_rounds = header_round.rounds_for(transport)
+        # Mid-size allreduces' data through the same node's memory (collective, after the
+        # node round; the channel keeps it and picks it per call from agreed facts).
+        self.node_data = header_round.node_data(transport, self.header_rounds.node)
         self.awaiting_rows = 0  # ops whose rows round waits for its turn
         self.rows_rounds = 0  # rows rounds issued here (all of them without a compact round)
 
@@ -222,7 +221,7 @@ class Operation:
     def start(self) -> None:
         """Issue the header round; must run in the caller's order."""
         lane = self.lane
-        if lane.compact_start is None:
+        if lane.header_rounds.start is None:
             self.start_rows()
         else:
             fold = self.compact_fold()
@@ -232,7 +231,7 @@ class Operation:
             compact_words(self.slot_words(), self.fold, NEED_ROWS if rows else 0, self._words)
             self._recv = np.empty(COMPACT_WORDS, np.int64)
             self.phase = COMPACT
-            self.request = lane.compact_start(self._words, self._recv)
+            self.request = lane.header_rounds.start(self._words, self._recv)
         self._enter(lane)
 
     def slot_words(self) -> np.ndarray[Any, Any]:
@@ -266,7 +265,7 @@ class Operation:
         own buffers; MPI may read `send` until the round completes, so the op holds it."""
         self.request, self._recv = request, recv
         lane = self.lane
-        if lane.compact_start is None:
+        if lane.header_rounds.start is None:
             self._send = send
         else:
             self._words = send

@@ -125,7 +125,7 @@ class SmallCalls:
 
     def __init__(self, engine: Engine, lane: Lane) -> None:
         self._engine, self._lane, self._size = engine, lane, lane.size
-        self._compact = header_round.is_compact(lane.transport)
+        self._compact = lane.header_rounds.compact
         self._signatures: dict[tuple[Any, ...], Signature | None] = {}
         self.calls = 0  # also drives the periodic yield (`YIELD_MASK`)
         self.handed_off = self.data_handed_off = 0
@@ -143,8 +143,7 @@ class SmallCalls:
             self._send = np.zeros(SLOT_WORDS, np.int64)
             self._recv = np.zeros(SLOT_WORDS * self._size, np.int64)
         lane = self._lane
-        self._round = header_round.round_for(lane.transport, self._send, self._recv,
-                                             lane.node_round)
+        self._round = lane.header_rounds.small_round(self._send, self._recv)
         self._signatures.clear()  # finishing steps are bound to the old receive slots
         self._last_allreduce: tuple[Any, Any, Any, Signature | None] = (None, None, None, None)
         # An allreduce of the last armed signature runs whole in C where the round is
@@ -343,7 +342,7 @@ class SmallCalls:
         round that finished here is counted, and every 8th teaches the lane's spin
         (`whole`)."""
         if state == IN_FLIGHT:
-            return header_round.take_request(self._round)
+            return self._lane.header_rounds.take_request(self._round)
         if state == DIFFERENT and self._check(sig):
             return header_round.finished_request()  # a rank joined: the general path folds
         lane = self._lane
