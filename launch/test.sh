@@ -6,11 +6,14 @@
 # Extra arguments go to pytest (e.g. -k sync, --long).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+begun=$(date +%s)
+elapsed() { echo "[test] $1 after $(( $(date +%s) - begun )) s" >&2; }
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   export ASYNCLOCK_SETUP_SYSTEM_MPI=${ASYNCLOCK_SETUP_SYSTEM_MPI:-1}
   export ASYNCLOCK_SETUP_HOROVOD=${ASYNCLOCK_SETUP_HOROVOD:-1}
 fi
 bash launch/setup.sh || { echo "[test] setup failed" >&2; exit 1; }
+elapsed "setup done"
 # Setup builds the C small-message round for every MPI with a compiler wrapper. Where the
 # MPI the tests run on has one (and Python's headers), its tests fail instead of skipping
 # when the round does not load: a build that broke must not pass as a skip.
@@ -31,6 +34,7 @@ static=0
 wait "$doctor"
 cat "$report/doctor" "$report/static"
 rm -rf "$report"
+elapsed "static checks done"
 [ "$static" = 0 ] || echo "[test] static checks failed (ruff, mypy --strict, import-linter)" >&2
 # Most test time is rank start-up and waiting on other ranks, so two pytest workers share
 # the machine's cores (whole files to a worker: a file's tests share its cached jobs).
@@ -40,8 +44,10 @@ pytest=(.venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider)
 if [ "$workers" -gt 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
   "${pytest[@]}" -n "$workers" --dist loadfile -m "not serial" "$@" tests
   rc=$?
+  elapsed "parallel phase done"
   "${pytest[@]}" -m serial "$@" tests
   rc2=$?
+  elapsed "serial phase done"
   # A phase that collects nothing (5) is fine when the other ran tests.
   if [ "$rc" = 5 ] && [ "$rc2" != 5 ]; then rc=$rc2
   elif [ "$rc" = 0 ] && [ "$rc2" != 5 ]; then rc=$rc2; fi

@@ -27,7 +27,7 @@ LONG = pytest.mark.slow  # with --long: CI covers each loop and size in the othe
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), pytest.param(1, "trio", marks=LONG),
                                           (2, "asyncio"), (2, "trio"),
                                           pytest.param(3, "asyncio", marks=LONG), (3, "trio"),
-                                          (4, "asyncio")])
+                                          pytest.param(4, "asyncio", marks=LONG)])
 def test_collectives_matrix(nranks: int, loop: str) -> None:
     args = ["--trio"] if loop == "trio" else []
     job = run_job("collectives_matrix.py", nranks, *args, timeout=240)

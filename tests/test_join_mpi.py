@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio"),
-                                           (4, "asyncio")])
+                                           pytest.param(4, "asyncio", marks=pytest.mark.slow)])
 def test_join_stands_in_for_uneven_steps(nranks: int, loop: str) -> None:
     """Rank r runs 2 + r steps of every allreduce path (inline, data stage, min/max/product,
     int64, float16) and a barrier, checked against the ranks still active; broadcast is

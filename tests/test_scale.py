@@ -2,7 +2,9 @@
 primitives, error recovery, gradients), and a subset at 8.
 
 Everything here runs oversubscribed on a 2-core machine, so the programs are the
-quick ones; the collective matrix and join run at 4 ranks in their own modules.
+quick ones, and CI runs the ones whose 4-rank run adds most (the shared window, process
+sets, the lock contract, the primitives); `--long` runs the rest, and the collective
+matrix and join at 4 ranks in their own modules.
 What only shows past 3 ranks: MPI picks other algorithms (Open MPI's non-blocking
 allreduce at 4 ranks checks that every rank agrees on the in-place form), matching
 tables and stand-in rounds see more than one other rank disagree.
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.mpi
 STRAY = {"ASYNCLOCK_STRAY_S": "0.2"}  # names that differ by rank fail after this
 
 
-@pytest.mark.parametrize("nranks, loop", [(4, "asyncio"),
+@pytest.mark.parametrize("nranks, loop", [pytest.param(4, "asyncio", marks=pytest.mark.slow),
                                           pytest.param(8, "trio", marks=pytest.mark.slow)])
 def test_error_trials(nranks: int, loop: str) -> None:
     trials = "100" if nranks == 4 else "40"
@@ -31,13 +33,15 @@ def test_error_trials(nranks: int, loop: str) -> None:
     assert f"mpi: {trials} trials" in job.output, job.explain()
 
 
-@pytest.mark.parametrize("nranks", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nranks", [pytest.param(4, marks=pytest.mark.slow),
+                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_small_collectives(nranks: int) -> None:
     job = run_job("small_calls.py", nranks, timeout=240)
     assert_labels(job, nranks, "folds", "hand_off", "mismatch_after_hand_off",
                   "mismatch_in_the_spin", "cancel_after_hand_off")
 
 
+@pytest.mark.slow
 def test_horovod_api_at_4() -> None:
     job = run_job("torch_horovod_api.py", 4, timeout=240)
     assert_labels(job, 4, "allreduce_grad", "grouped_allreduce_grad", "allgather_grad",
@@ -71,6 +75,7 @@ def test_gradients_over_the_shared_window_at_4() -> None:
                   "sparse_gradients", "mismatch_buckets_shm")
 
 
+@pytest.mark.slow
 def test_sharded_optimizer_at_4() -> None:
     job = run_job("torch_sharded.py", 4, timeout=240,
                   env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
