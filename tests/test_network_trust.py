@@ -746,11 +746,14 @@ class Watch:
         self._thread.start()
 
     def look(self) -> None:
+        # A listener is dated by when the look began: it was open at some moment of the
+        # look, and a look of a loaded machine can outlast the opening of a mesh, so the
+        # end would date a listener Horovod opened and closed in its init after it.
+        now = time.monotonic()
         try:
             found = listeners(without_launcher(processes_with(self.token)))
         except OSError:  # a process ended while it was read
             return
-        now = time.monotonic()
         with self._lock:
             for listener in found:
                 self.seen.setdefault(listener.inode, (now, listener))
@@ -832,7 +835,8 @@ def test_gloo_ranks_listen_only_where_their_peers_were_told(nranks: int,
             owners[inode] = "horovod"
         else:
             problems.append(f"{listener.row()} (rank {rank}) is neither asynclock's nor "
-                            "Horovod's")
+                            f"Horovod's (first seen {at - first_mesh[rank]:+.3f} s from the "
+                            "rank's first mesh listener)")
     assert not problems, (problems, job.explain())
     mesh_seen = {(rank_of[lis.pid], lis.port) for _, lis in watch.seen.values()
                  if lis.pid in rank_of}
