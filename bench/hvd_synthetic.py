@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,8 +147,9 @@ def worker(args: argparse.Namespace) -> None:
     model = build(torch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    tuning = {"tuning": tuning_of(args.tuning)} if args.tuning else {}
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression, **tuning)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     data = torch.randn(batch, *shape)
@@ -174,6 +176,22 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({"img_sec": statistics.fmean(img_secs),
                                       "iters": img_secs, "size": hvd.size(),
                                       "cpu_ms_per_step": busy}), flush=True)
+
+
+def tuning_of(text: str) -> Any:
+    """`asynclock.torch.Tuning` from `key=value,...` (asynclock jobs only)."""
+    from dataclasses import fields
+
+    import asynclock.torch as al
+
+    kinds = {f.name: f.type for f in fields(al.Tuning)}
+    given: dict[str, Any] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        kind = str(kinds[key])
+        given[key] = (value.lower() in ("1", "true", "yes") if "bool" in kind
+                      else float(value) if "float" in kind else value)
+    return al.Tuning(**given)
 
 
 def thread_cpu() -> dict[str, float]:
@@ -269,6 +287,8 @@ def job(args: argparse.Namespace, launcher: str, lib: str, model: str, fp16: boo
         cmd += ["--batch", str(args.batch)]
     if fp16:
         cmd.append("--fp16-allreduce")
+    if args.tuning and lib == "asynclock":
+        cmd += ["--tuning", args.tuning]
     env = {**environ(launcher), **(extra_env or {})}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -294,11 +314,24 @@ def job(args: argparse.Namespace, launcher: str, lib: str, model: str, fp16: boo
     return result
 
 
+def timeline_events(path: Path) -> list[dict[str, Any]]:
+    """A Horovod timeline's events (the file of a job cut short lacks its closing `]`)."""
+    text = path.read_text().rstrip()
+    events: list[dict[str, Any]] = json.loads(
+        text if text.endswith("]") else text.rstrip(",") + "]")
+    return events
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensor names in a Horovod timeline (one row of the trace each)."""
+    return [e["args"].get("name", "") for e in timeline_events(path)
+            if e.get("ph") == "M" and e.get("name") == "process_name"]
+
+
 def cache_rate(path: Path) -> dict[str, Any]:
     """Negotiations of cached kinds in a Horovod timeline, and how many were cache hits
     (no rank ticks between the negotiation's begin and end)."""
-    text = path.read_text().rstrip()
-    events = json.loads(text if text.endswith("]") else text.rstrip(",") + "]")  # cut short
+    events = timeline_events(path)
     open_: dict[int, list[Any]] = {}  # pid -> [phase, ticks] of the negotiation in progress
     names: dict[int, str] = {}
     hits = misses = 0
@@ -326,6 +359,10 @@ def timeline_job(args: argparse.Namespace, lib: str, model: str, fp16: bool) -> 
         result = job(args, "gloo", lib, model, fp16, {"HOROVOD_TIMELINE": str(path)}, short=True)
         if path.exists():
             result.update(cache_rate(path))
+            if args.keep_timeline:
+                keep = Path(args.keep_timeline)
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, keep / f"{lib}-{model}-{'fp16' if fp16 else 'fp32'}.json")
         return result
 
 
@@ -334,16 +371,15 @@ def driver(args: argparse.Namespace) -> None:
     for launcher in args.launchers.split(","):
         for model in args.models.split(","):
             for fp16 in {"both": (False, True), "on": (True,), "off": (False,)}[args.fp16]:
-                runs: dict[str, list[dict[str, Any]]] = {"horovod": [], "asynclock": []}
+                libs = args.libs.split(",")
+                runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in libs}
                 for r in range(args.runs):
-                    order = ["horovod", "asynclock"] if r % 2 == 0 else ["asynclock", "horovod"]
-                    for lib in order:
+                    for lib in libs if r % 2 == 0 else libs[::-1]:
                         runs[lib].append(job(args, launcher, lib, model, fp16))
                         show_run(launcher, model, fp16, lib, runs[lib][-1])
                 row = summarize(launcher, model, fp16, runs)
                 if args.timeline and launcher == "gloo":
-                    row["timeline"] = {lib: timeline_job(args, lib, model, fp16)
-                                       for lib in ("horovod", "asynclock")}
+                    row["timeline"] = {lib: timeline_job(args, lib, model, fp16) for lib in libs}
                 out["rows"].append(row)
                 show_row(row)
     table(out["rows"])
@@ -363,7 +399,8 @@ def summarize(launcher: str, model: str, fp16: bool,
               runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     row: dict[str, Any] = {"launcher": launcher, "model": model,
                            "compression": "fp16" if fp16 else "none", "runs": runs}
-    for lib, rs in runs.items():
+    for lib in ("horovod", "asynclock"):
+        rs = runs.get(lib, [])
         ok = [r["img_sec"] for r in rs if "img_sec" in r]
         row[lib] = statistics.median(ok) if ok and len(ok) == len(rs) else None
         row[f"{lib}_warnings"] = sum(r["warnings"] for r in rs)
@@ -408,6 +445,8 @@ def parse() -> argparse.Namespace:
         q.add_argument("--warmup", type=int, help="warm-up batches (default: STEPS)")
         q.add_argument("--iters", type=int, help="timed iterations (default: STEPS)")
         q.add_argument("--batches-per-iter", type=int, help="(default: STEPS)")
+        q.add_argument("--tuning", default="", help="asynclock's Tuning, key=value,... "
+                       "(asynclock jobs only; e.g. partition=0,bucket_cap_mb=8)")
     w.add_argument("--model", choices=sorted(MODELS), default="resnet18")
     w.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--launchers", default="gloo,mpi", help="gloo: horovodrun --gloo; mpi: Open MPI")
@@ -416,6 +455,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="jobs per library and row")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--timeline", action="store_true", help="also measure the cache hit rate")
+    p.add_argument("--libs", default="horovod,asynclock", help="which libraries to run")
+    p.add_argument("--keep-timeline", help="copy each timeline job's trace into this folder")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     p.add_argument("--json", help="write every run's figures here")

@@ -326,9 +326,9 @@ def test_auto_picks_mpi_under_horovodrun_with_an_mpi_world() -> None:
 
 
 GLOO_TRAINING = {
-    "torch_grads.py": ["caps_tiny_partitions", "identical_20_steps", "handed_some_ranks",
-                       "grouped_yes", "accumulate_passes", "gated_bit_identical",
-                       "mismatch_options"],
+    "torch_grads.py": ["caps_tiny_partitions", "caps_tiny_default", "identical_20_steps",
+                       "handed_some_ranks", "grouped_yes", "accumulate_passes",
+                       "gated_bit_identical", "mismatch_options"],
     "torch_async.py": ["basic", "loop_live_during_backward", "modes_bit_identical",
                        "cancel_during_backward"],
     "join.py": ["hvd_allreduce", "hvd_optimizer"],

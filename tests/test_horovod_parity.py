@@ -21,7 +21,7 @@ import pytest
 from mpijob import Job, assert_labels, horovod_status, horovodrun_missing, run_horovodrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from hvd_synthetic import WARNING, cache_rate  # noqa: E402
+from hvd_synthetic import WARNING, cache_rate, tensor_names  # noqa: E402
 
 
 def need(gloo: bool) -> None:
@@ -66,9 +66,13 @@ def test_synthetic_loop_under_horovodrun_gloo_fills_no_cache_and_warns_nothing(
     assert not re.search(r"\bW \S*horovod", job.output), job.explain()
     rate = cache_rate(timeline)
     # 64 gradients a step in fp32 (fp16 buckets go whole) and 2 metrics: what misses is
-    # each name's first use (a bucket's per plan, a metric slot's, the final allgather).
+    # each name's first use (a bucket's, a metric slot's, the final allgather).
     assert rate["negotiations"] >= 40 * 64, rate
-    assert rate["hit_rate"] >= 0.85, rate
+    assert rate["hit_rate"] >= 0.93, rate
+    # the fp32 model's one bucket of 64 gradients keeps its names through the re-plan
+    # after the profiling round, which keeps the bucket: 64 names, not 64 per plan
+    grads = [n for n in tensor_names(timeline) if ".grad." in n and "grouped" in n]
+    assert len(grads) == 64, sorted(grads)
     # asynclock started Horovod with its own cycle time and group fusion off (nothing
     # set by the user here), on every rank
     settings = set(re.findall(r"HVD_SETTINGS (\d+) (.*)", job.output))

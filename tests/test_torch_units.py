@@ -69,6 +69,24 @@ def test_fixed_groups_and_dtype_groups() -> None:
     assert plan.group_numel == {"float32": 12, "float16": 4}
 
 
+def test_a_bucket_label_names_what_it_holds_not_the_plan() -> None:
+    """Horovod's response cache keys on names: a re-plan that keeps a bucket keeps its
+    label (the profiling round's names are hit after it), one that changes it does not
+    (Horovod would find another shape under a cached name)."""
+    sp = specs(10, 300, 7, 64, 1)
+    caps = Caps(bucket_bytes=200, first_bucket_bytes=40)
+    first = build_plan([4, 3, 2, 1, 0], sp, caps)
+    again = build_plan([4, 3, 2, 1, 0], sp, caps, launch=list(reversed(range(len(first.buckets)))))
+    assert [b.label for b in first.buckets] == [b.label for b in again.buckets]
+    assert len({b.label for b in first.buckets}) == len(first.buckets)
+    moved = build_plan([4, 3, 1, 2, 0], sp, caps)  # parameters 1 and 2 swap places
+    kept = {b.label for b in first.buckets} & {b.label for b in moved.buckets}
+    assert kept == {b.label for b in first.buckets if set(b.params) <= {4, 3}}, kept
+    wide = build_plan([4, 3, 2, 1, 0], [ParamSpec(n, "float64", 8) for n in (10, 300, 7, 64, 1)],
+                      Caps(bucket_bytes=400, first_bucket_bytes=80))
+    assert not {b.label for b in wide.buckets} & {b.label for b in first.buckets}
+
+
 def test_launch_order_must_be_a_permutation() -> None:
     with pytest.raises(ValueError, match="permutation"):
         build_plan([0, 1], specs(4, 4), Caps(1, 1, partition=False), launch=[0, 0])

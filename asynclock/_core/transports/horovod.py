@@ -16,9 +16,10 @@ name comes back with the same shape and dtype. So a data stage's name is the
 same step after step for the same logical tensor, the same on every rank, and
 never held twice at once on a rank (Horovod refuses a name in flight):
 
-- a gradient bucket's stage is named after the bucket
-  (`asynclock<k>.<lane>.grad.g<generation>.b<bucket>.grouped...`): every rank
-  issues it under that name every round (`named_stages`);
+- a gradient bucket's stage is named after what the bucket holds
+  (`asynclock<k>.<lane>.grad.b<bucket>.<layout digest>.grouped...`): every rank
+  issues it under that name every round (`named_stages`), on either side of the
+  re-plan after the first round wherever the re-plan kept the bucket;
 - any other stage after what every rank knows of it, its signature (kind,
   op, dtype, agreed size), and a slot: the slot whose last use lies at least
   `_REUSE_AFTER` stages back on the channel, else a new one. Data stages are

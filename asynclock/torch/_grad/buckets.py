@@ -35,11 +35,12 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True)
 class Caps:
-    """Size limits; `partition=False` never cuts a tensor (one per bucket at most cap)."""
+    """Size limits; `partition=False` never cuts a tensor (one per bucket at most cap);
+    None leaves it to the transport (the reducer decides before it plans)."""
 
     bucket_bytes: int = 4 * MiB
     first_bucket_bytes: int = 1 * MiB
-    partition: bool = True
+    partition: bool | None = True
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.first_bucket_bytes < 1:
@@ -60,7 +61,7 @@ class Segment:
         return self.stop - self.start
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Bucket:
     """One allreduce: a contiguous range of a group buffer."""
 
@@ -74,6 +75,14 @@ class Bucket:
     @property
     def params(self) -> tuple[int, ...]:
         return tuple(dict.fromkeys(s.param for s in self.segments))
+
+    @functools.cached_property
+    def label(self) -> str:
+        """A name for what the bucket holds (its dtype group and which elements of which
+        parameters), not for the plan it belongs to: a re-plan that keeps a bucket keeps
+        its label, and a bucket that changed gets another."""
+        layout = [(s.param, s.start, s.stop) for s in self.segments]
+        return f"b{self.index}.{zlib.crc32(repr((self.group, layout)).encode()):08x}"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ class Tuning:
         bucket_cap_mb: cap of a gradient bucket, in MiB.
         first_bucket_mb: cap of the first bucket, so communication starts early.
         window_mb: MiB of buckets in flight at once (the credit window).
-        partition: cut large tensors at bucket boundaries, so front layers go first.
+        partition: cut large tensors at bucket boundaries, so front layers go first;
+            None: on, except on Horovod's transport (`horovodrun --gloo`), where
+            Horovod fuses each bucket itself and a cut tensor's parts, ready together,
+            would only go as more Horovod collectives.
         priority: launch front buckets first; None: on exactly when forward gating is on.
         replan: re-plan the bucket layout from the gradient order rank 0 observes.
         shm: gradient buckets through the node's shared-memory window when every rank
@@ -43,7 +46,7 @@ class Tuning:
     bucket_cap_mb: float = 4.0
     first_bucket_mb: float = 1.0
     window_mb: float = 16.0
-    partition: bool = True
+    partition: bool | None = None  # None: on, except on Horovod's transport
     priority: bool | None = None  # None: on exactly when forward gating is on
     replan: bool = True
     shm: bool = True  # shared-memory buckets when every rank is on one node (MPI)

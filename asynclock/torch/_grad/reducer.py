@@ -146,8 +146,9 @@ class Reducer:
     def __init__(self, coord: Coordinator, loop: LoopAccess, registry: ParamRegistry,
                  options: ReduceOptions, step: Callable[[Params], None],
                  zero: Callable[[Params, bool], None], lane: Lane) -> None:
-        self.coord, self.loop, self.registry, self.options = coord, loop, registry, options
+        self.coord, self.loop, self.registry = coord, loop, registry
         self.grad_lane = lane
+        self.options = options = self._resolved(options)
         self.on_gpu = registry.device.type == "cuda"
         if self.on_gpu and group_of(lane) is None:
             raise NotImplementedError(
@@ -179,6 +180,17 @@ class Reducer:
         self.held = Held(coord, lane, lane in coord.lowlevel.more_grad_lanes)
         self.bucketer.register()
         _live.add(self)
+
+    def _resolved(self, options: ReduceOptions) -> ReduceOptions:
+        """Options with the lane's choices made: `Caps.partition` None cuts tensors except
+        on Horovod's transport. Horovod fuses each bucket it is handed, and the parts of a
+        cut tensor are ready at the same moment, so there cutting only multiplies
+        Horovod's responses (each a negotiation and a collective) and the cycles the
+        credit window spreads them over, on the core backward runs on."""
+        if options.caps.partition is not None:
+            return options
+        caps = replace(options.caps, partition=not self._horovod_groups())
+        return replace(options, caps=caps)
 
     def _plan(self, order: list[int], launch: Any) -> Plan:
         return build_plan(order, self.specs, self.options.caps, groups=self.options.groups,

@@ -72,6 +72,7 @@ class BucketOp(AllreduceOp):
                  on_done: Callable[[BucketOp], None]) -> None:
         super().__init__(lane, call, buf, buf.array, ReduceOp.SUM)
         self.on_done = on_done
+        self.label = call.name  # what a transport that names its stages calls its stage
 
     def complete(self, value: Any) -> None:
         super().complete(value)
@@ -88,7 +89,7 @@ class BucketOp(AllreduceOp):
         named = getattr(transport, "named_stages", None)
         if named is None or self.joined:
             return super().issue_next(transport)
-        with named(self.call.name):
+        with named(self.label):
             return super().issue_next(transport)
 
 
@@ -291,6 +292,15 @@ class Scheduler:
 
     def _bucket_op(self, run: StepRun, k: int, done: Callable[[BucketOp], None],
                    checked: bool) -> BucketOp:
+        """Bucket k's allreduce, labelled after what the bucket holds (`Bucket.label`), so
+        a transport that names its stages names it the same on both sides of a re-plan
+        that kept it."""
+        op = self._bucket_op_of(run, k, done, checked)
+        op.label = f"grad.{run.plan.buckets[k].label}"
+        return op
+
+    def _bucket_op_of(self, run: StepRun, k: int, done: Callable[[BucketOp], None],
+                      checked: bool) -> BucketOp:
         """Bucket k's allreduce; a Horovod group of handed gradients where it can be."""
         tensor = run.storage.comm[k]
         name = f"grad.g{run.generation}.b{k}"
