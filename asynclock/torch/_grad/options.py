@@ -28,7 +28,8 @@ class Tuning:
     Args:
         bucket_cap_mb: cap of a gradient bucket, in MiB.
         first_bucket_mb: cap of the first bucket, so communication starts early.
-        window_mb: MiB of buckets in flight at once (the credit window).
+        window_mb: MiB of buckets in flight at once (the credit window); None: 16,
+            and no bound on Horovod's transport, where Horovod queues buckets itself.
         partition: cut large tensors at bucket boundaries, so front layers go first;
             None: on, except on Horovod's transport (`horovodrun --gloo`), where
             Horovod fuses each bucket itself and a cut tensor's parts, ready together,
@@ -45,7 +46,7 @@ class Tuning:
 
     bucket_cap_mb: float = 4.0
     first_bucket_mb: float = 1.0
-    window_mb: float = 16.0
+    window_mb: float | None = None  # None: 16, unbounded on Horovod's transport
     partition: bool | None = None  # None: on, except on Horovod's transport
     priority: bool | None = None  # None: on exactly when forward gating is on
     replan: bool = True
@@ -122,6 +123,7 @@ def build_options(registry: ParamRegistry, *, op: Any = ReduceOp.AVERAGE,
     return ReduceOptions(
         op=rop, predivide=float(gradient_predivide_factor),
         wire_dtype=wire_dtype(compression), passes=int(backward_passes_per_step), caps=caps,
-        window_bytes=max(1, int(tuning.window_mb * MiB)), groups=split_groups(registry, groups),
+        window_bytes=None if tuning.window_mb is None else max(1, int(tuning.window_mb * MiB)),
+        groups=split_groups(registry, groups),
         replan=tuning.replan, priority=priority, shm=tuning.shm, stall_s=tuning.stall_s,
         timeout_s=tuning.timeout_s)

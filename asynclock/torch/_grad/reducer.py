@@ -55,6 +55,7 @@ from .tracing import unpack_span
 
 log = logging.getLogger("asynclock.torch")
 MiB = 1 << 20
+_UNBOUNDED = 1 << 62  # a credit window that never holds a bucket back
 _lanes: weakref.WeakKeyDictionary[Coordinator, int] = weakref.WeakKeyDictionary()
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()
 
@@ -101,7 +102,7 @@ class ReduceOptions:
     wire_dtype: torch.dtype | None = None
     passes: int = 1
     caps: Caps = field(default_factory=Caps)
-    window_bytes: int = 16 * MiB
+    window_bytes: int | None = 16 * MiB  # None: the transport's (`Reducer._resolved`)
     groups: tuple[tuple[int, ...], ...] = ()
     replan: bool = True
     priority: bool = False
@@ -160,6 +161,7 @@ class Reducer:
         self.generation, self.rounds, self.passes = 0, 0, options.passes
         self.plan = self._plan(list(reversed(range(len(registry)))), None)
         self.storage = GradStorage(self.plan, registry, grouped=self._horovod_groups())
+        assert options.window_bytes is not None  # resolved
         self.scheduler = Scheduler(coord.lowlevel.engine, lane, options.window_bytes)
         self.bucketer = Bucketer(registry, self.storage, self._new_run, self._notify)
         self.bucketer.scale = self.pre
@@ -182,15 +184,20 @@ class Reducer:
         _live.add(self)
 
     def _resolved(self, options: ReduceOptions) -> ReduceOptions:
-        """Options with the lane's choices made: `Caps.partition` None cuts tensors except
-        on Horovod's transport. Horovod fuses each bucket it is handed, and the parts of a
-        cut tensor are ready at the same moment, so there cutting only multiplies
-        Horovod's responses (each a negotiation and a collective) and the cycles the
-        credit window spreads them over, on the core backward runs on."""
-        if options.caps.partition is not None:
-            return options
-        caps = replace(options.caps, partition=not self._horovod_groups())
-        return replace(options, caps=caps)
+        """Options with the lane's choices made where they were left to it (None).
+
+        On Horovod's transport tensors are not cut and the credit window has no bound.
+        Horovod fuses each bucket it is handed and runs them one after the other on its
+        own thread, in its own cycles: the parts of a cut tensor are ready at the same
+        moment, so cutting there only multiplies Horovod's responses (a negotiation and
+        a collective each), and a bucket the window holds back waits for a later cycle.
+        Elsewhere tensors are cut so front layers go first, within a 16 MiB window."""
+        horovod = self._horovod_groups()
+        if options.caps.partition is None:
+            options = replace(options, caps=replace(options.caps, partition=not horovod))
+        if options.window_bytes is None:
+            options = replace(options, window_bytes=_UNBOUNDED if horovod else 16 * MiB)
+        return options
 
     def _plan(self, order: list[int], launch: Any) -> Plan:
         return build_plan(order, self.specs, self.options.caps, groups=self.options.groups,
