@@ -203,7 +203,7 @@ SCALE_ROWS: tuple[tuple[str, Sized, bool], ...] = (
     ("asynclock check, after (compact)", unsized(check_after), False),
     ("asynclock check, before (rows every call)", unsized(check_before), False),
     ("asynclock check, ranks differ (compact + rows)", unsized(check_rows), False),
-    ("asynclock allreduce, flat (ASYNCLOCK_WINDOW=0)", asynclock_allreduce, True),
+    ("asynclock allreduce, flat (ASYNCLOCK_NODE_WINDOW=0)", asynclock_allreduce, True),
     ("asynclock allreduce, node window from 1 MiB (default)", asynclock_allreduce_hier, True),
     ("MPI_Allreduce, flat", mpi_allreduce, True),
     ("MPI_Allreduce, node leaders", mpi_allreduce_hier, True),

@@ -39,7 +39,6 @@ def test_dropped_optimizers_free_their_node_windows_off_the_loop() -> None:
     optimizer's channel holds a node window, whose free is collective over the node;
     the release frees none of it (on the loop it would block it, and the peers'
     next call with it), so threads and lanes stay flat and nothing hangs."""
-    env = {"ASYNCLOCK_SHM": "0", "ASYNCLOCK_WINDOW_MIN_BYTES": "64",
-           "ASYNCLOCK_THREAD_MIN_BYTES": "64"}
-    job = run_job("optimizer_churn.py", 2, "20", timeout=120, env=env)
+    env = {"ASYNCLOCK_WINDOW_MIN_BYTES": "64", "ASYNCLOCK_THREAD_MIN_BYTES": "64"}
+    job = run_job("optimizer_churn.py", 2, "20", "--allreduce", timeout=120, env=env)
     assert_labels(job, 2, "flat", "done")

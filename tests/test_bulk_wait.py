@@ -9,7 +9,7 @@ from mpijob import MPI_KIND, OTHER_KINDS, assert_all_ok, run_job
 
 pytestmark = pytest.mark.mpi
 
-ENV = {"ASYNCLOCK_WINDOW": "0", "ASYNCLOCK_SPIN_US": "0", "ASYNCLOCK_BULK": "mpi"}
+ENV = {"ASYNCLOCK_NODE_WINDOW": "0", "ASYNCLOCK_SPIN_US": "0", "ASYNCLOCK_BULK": "mpi"}
 
 
 @pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])

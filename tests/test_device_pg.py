@@ -36,6 +36,6 @@ def test_the_path_is_agreed_and_says_why() -> None:
 def test_gradient_buckets_through_the_twin() -> None:
     """`DistributedOptimizer`'s whole program with every bucket on the device group
     (no shared window: on a GPU the window is not used)."""
-    env = {**TWIN, "ASYNCLOCK_SHM": "0", "ASYNCLOCK_BACKEND": "mpi"}
+    env = {**TWIN, "ASYNCLOCK_NODE_WINDOW": "0", "ASYNCLOCK_BACKEND": "mpi"}
     job = run_job("torch_grads.py", 2, timeout=240, env=env)
     assert_labels(job, 2, "identical_20_steps", "caps_default", "mismatch_buckets", "done")

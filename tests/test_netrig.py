@@ -227,7 +227,7 @@ def test_two_hosts_two_ranks_each_train_alike(rig: netrig_rig.Rig, kind: str) ->
     MPIR_CVAR_NOLOCAL=1, so its ranks see no node-mates and the buckets go over MPI."""
     fresh(rig, 2, kind)
     argv = [sys.executable, str(PROGRAMS / "torch_grads.py")]
-    job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1",
+    job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_NODE_WINDOW": "1",
                                     "ASYNCLOCK_THREAD_MIN_BYTES": "64",
                                     "ASYNCLOCK_WINDOW_MIN_BYTES": "64"}, per_host=2)
     try:

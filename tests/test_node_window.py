@@ -25,5 +25,5 @@ def test_window_allreduce_matches_rank_order_fold(kind: str, nranks: int, loop: 
 
 def test_window_switched_off_leaves_allreduces_to_mpi() -> None:
     job = run_job("node_window.py", 2, "--off", timeout=120,
-                  env={**SMALL, "ASYNCLOCK_WINDOW": "0"})
+                  env={**SMALL, "ASYNCLOCK_NODE_WINDOW": "0"})
     assert_labels(job, 2, *LABELS)

@@ -70,7 +70,7 @@ def test_gradients_over_the_shared_window_at_4() -> None:
     """The Horovod-style optimizer on the node's shared-memory pipeline: 20 steps
     identical on every rank, gated updates bit-identical, sparse gradients."""
     job = run_job("torch_grads.py", 4, timeout=240,
-                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
+                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_NODE_WINDOW": "1"})
     assert_labels(job, 4, "transport_shm", "identical_20_steps", "gated_bit_identical",
                   "sparse_gradients", "mismatch_buckets_shm")
 
@@ -78,6 +78,6 @@ def test_gradients_over_the_shared_window_at_4() -> None:
 @pytest.mark.slow
 def test_sharded_optimizer_at_4() -> None:
     job = run_job("torch_sharded.py", 4, timeout=240,
-                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_SHM": "1"})
+                  env={"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_NODE_WINDOW": "1"})
     assert_labels(job, 4, "sharded_matches_global_batch", "sharded_checkpoint",
                   "sharded_refusals", "sharded_join_refused")

@@ -36,7 +36,7 @@ def test_docs_table_is_generated_from_the_declaration() -> None:
 
 
 def test_every_variable_the_repository_reads_is_declared() -> None:
-    declared = {s.name for s in settings.DECLARED}
+    declared = {name for s in settings.DECLARED for name in (s.name, *s.replaces)}
     found: dict[str, str] = {}
     for folder in ("asynclock", "mpi", "launch", "tests", "bench", "examples", ".ci"):
         for path in (ROOT / folder).rglob("*"):
@@ -61,11 +61,37 @@ def test_values_are_read_at_load_not_at_import(monkeypatch: pytest.MonkeyPatch) 
 
 def test_defaults_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASYNCLOCK_SPIN_US", raising=False)
-    monkeypatch.setenv("ASYNCLOCK_SHM", "0")
+    monkeypatch.setenv("ASYNCLOCK_NODE_WINDOW", "0")
     settings.load()
     assert settings.number("ASYNCLOCK_SPIN_US") == 200
-    assert settings.flag("ASYNCLOCK_SHM") is False and settings.flag("ASYNCLOCK_WATCHDOG")
+    assert settings.flag("ASYNCLOCK_NODE_WINDOW") is False and settings.flag("ASYNCLOCK_WATCHDOG")
     assert settings.text("ASYNCLOCK_BULK") == "auto"
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ({"ASYNCLOCK_WINDOW": "0"}, {}, False),
+    ({"ASYNCLOCK_SHM": "0", "ASYNCLOCK_WINDOW": "1"}, {}, False),
+    ({"ASYNCLOCK_SHM": "1"}, {}, True),
+    ({"ASYNCLOCK_SHM": "0"}, {"ASYNCLOCK_NODE_WINDOW": "1"}, True),
+])
+def test_the_node_window_switch_reads_its_old_names_when_unset(
+        monkeypatch: pytest.MonkeyPatch, old: dict[str, str], new: dict[str, str],
+        value: bool) -> None:
+    """`ASYNCLOCK_WINDOW` and `ASYNCLOCK_SHM` were two switches of one mechanism: either
+    at 0 turns the window off, unless the new name is set; each old name is warned
+    about, and the agreed value is the switch's."""
+    monkeypatch.delenv("ASYNCLOCK_NODE_WINDOW", raising=False)
+    for name, v in {**old, **new}.items():
+        monkeypatch.setenv(name, v)
+    with pytest.warns(FutureWarning, match="set ASYNCLOCK_NODE_WINDOW"):
+        settings.load()
+    assert settings.flag("ASYNCLOCK_NODE_WINDOW") is value
+    assert settings.agreed()["ASYNCLOCK_NODE_WINDOW"] == ("1" if value else "0")
+    assert settings.is_set("ASYNCLOCK_NODE_WINDOW")
+    settings.forget()
+    assert settings.flag("ASYNCLOCK_NODE_WINDOW") is value  # read from the environment
+    with pytest.raises(KeyError, match="old name of ASYNCLOCK_NODE_WINDOW"):
+        settings.flag("ASYNCLOCK_SHM")
 
 
 @pytest.mark.parametrize("name, value, message", [

@@ -1,10 +1,11 @@
 """The shared-memory gradient pipeline, two ranks in one process.
 
-`ShmPipeline` only needs the arena's counters, bells and buffers, so two
-pipelines over the same numpy/torch memory behave as two ranks on a node
-(the futex works within a process too). The MPI-level behaviour is covered
-by the torch tests that run real jobs (`test_torch_mpi.py`, shared memory is
-their default on one node).
+`ShmPipeline` only needs a `SharedWindow` (counters and bells) and the
+buffers, so two pipelines over windows made on the same process memory
+behave as two ranks on a node (the futex works within a process too). The
+MPI-level behaviour is covered by the torch tests that run real jobs
+(`test_torch_mpi.py`, shared memory is their default on one node) and the
+window's own contract by `test_shared_window.py`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from asynclock._core.base.errors import BackendError
+from asynclock._core.transports.shared_window import CTL_BYTES, SharedWindow
 from asynclock.torch._grad.buckets import Caps, ParamSpec, build_plan
 from asynclock.torch._grad.shm_chunks import HandedGrads
 from asynclock.torch._grad.shm_pipeline import PACKED, RoundJob, ShmPipeline
@@ -27,16 +28,8 @@ from asynclock.torch._grad.shm_pipeline import PACKED, RoundJob, ShmPipeline
 TIMEOUT = 10.0
 
 
-class FakeArena:
-    """What a pipeline reads of `SharedArena`, over memory both 'ranks' share."""
-
-    def __init__(self, rank: int, counters: list[Any], bells: list[Any]) -> None:
-        self.rank, self.size = rank, len(counters)
-        self.counters, self.bells = counters, bells
-        self.bell_addresses = [b.ctypes.data for b in bells]
-
-    def sync(self) -> None:
-        return None
+def no_barrier() -> None:
+    return None  # one process: its threads see each other's stores in order
 
 
 class Node:
@@ -50,13 +43,12 @@ class Node:
                                Caps(bucket_bytes=28, first_bucket_bytes=28))
         self.b = len(self.plan.buckets)
         n = sum(numels)
-        counters = [np.zeros(5, np.int64) for _ in range(2)]
-        bells = [np.zeros(1, np.uint32) for _ in range(2)]
+        memory = [bytearray(CTL_BYTES) for _ in range(2)]
         self.buffers = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)]
         self.calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self.released = [threading.Event() for _ in range(2)]
         self.handed = [HandedGrads(self.plan) if handed else None for _ in range(2)]
-        self.pipes = [ShmPipeline(FakeArena(r, counters, bells), self.plan,
+        self.pipes = [ShmPipeline(SharedWindow(r, memory, 0, no_barrier), self.plan,
                                   {"float32": self.buffers}, post, self.calls.put,
                                   lambda r=r: failure(r), self.handed[r]) for r in range(2)]
         self.gathered: list[list[int]] = [[], []]
@@ -144,7 +136,7 @@ def test_counters_carry_over_into_the_next_round(node: Node) -> None:
             node.pipes[r].submit(jobs[r])
         node.drain_until(lambda: all(len(g) == 3 for g in node.gathered))
         assert all(e.wait(TIMEOUT) for e in node.released)
-    assert [int(c[PACKED]) for c in node.pipes[0].arena.counters] == [9, 9]
+    assert [int(c[PACKED]) for c in node.pipes[0].window.counters] == [9, 9]
     assert [p.statistics().rounds for p in node.pipes] == [3, 3]
 
 

@@ -5,7 +5,7 @@ run once per (program, ranks, backend, transport, loop) and each test
 asserts its own labels, so every behaviour has a named test without extra
 jobs. `transport` picks how buckets travel after the first round: through
 the shared-memory window ("shm", the default when all ranks share a node)
-or as one MPI allreduce per bucket ("allreduce", ASYNCLOCK_SHM=0).
+or as one MPI allreduce per bucket ("allreduce", ASYNCLOCK_NODE_WINDOW=0).
 
 `backend` runs the same programs on the MPI transport and, where Horovod
 loads, on the Horovod transport (ASYNCLOCK_BACKEND=horovod, under the MPI
@@ -35,7 +35,8 @@ BACKENDS = os.environ.get("ASYNCLOCK_TEST_BACKENDS", "mpi,horovod").split(",")
 @functools.cache
 def job(program: str, nranks: int, backend: str, transport: str, *args: str,
         kind: str = MPI_KIND) -> Job:
-    env = {"ASYNCLOCK_BACKEND": backend, "ASYNCLOCK_SHM": "1" if transport == "shm" else "0"}
+    env = {"ASYNCLOCK_BACKEND": backend,
+           "ASYNCLOCK_NODE_WINDOW": "1" if transport == "shm" else "0"}
     if backend == "horovod":
         kind, why = horovod_status()
         if why:

@@ -91,10 +91,10 @@ if [ "$DRY" = 1 ]; then
   step test_cuda_cpu_paths 120 "$PY" -m pytest -q -p no:cacheprovider --co tests/test_cuda.py
   read -r -a L1 <<< "$(launcher 1)"
   read -r -a L2 <<< "$(launcher 2)"
-  ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
-  ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  ASYNCLOCK_NODE_WINDOW=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_1rank 120 "${L1[@]}" "$PY" tests/gpu/nccl_path.py --cpu
+  ASYNCLOCK_NODE_WINDOW=0 ASYNCLOCK_CUDA_PATH=gloo-twin step nccl_path_2ranks 120 "${L2[@]}" "$PY" tests/gpu/nccl_path.py --cpu
   for api in dropin async; do
-    ASYNCLOCK_SHM=0 ASYNCLOCK_CUDA_PATH=gloo-twin step "bench_step_$api" 120 "${L1[@]}" "$PY" \
+    ASYNCLOCK_NODE_WINDOW=0 ASYNCLOCK_CUDA_PATH=gloo-twin step "bench_step_$api" 120 "${L1[@]}" "$PY" \
       tests/gpu/bench_step_gpu.py --cpu --api "$api" --steps 2 --windows 2 --warmup 1
   done
   [ "$FAILED" = 0 ]

@@ -2,7 +2,7 @@
 
     bulk_wait_cpu.py [--trio] [--fp16] [--bcast]
 
-Run with ASYNCLOCK_WINDOW=0 (the stage goes over MPI, not the node window) and
+Run with ASYNCLOCK_NODE_WINDOW=0 (the stage goes over MPI, not the node window) and
 ASYNCLOCK_SPIN_US=0. The last rank issues a 4 MiB allreduce (or a 16-bit one: the
 ring, or a broadcast), tells rank 0 through a plain MPI message, then blocks its
 own loop for LATE_S, so its poller issues its data stage only then. Rank 0 issues

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 if "--hvd" in sys.argv and "--shm" not in sys.argv:
-    os.environ["ASYNCLOCK_SHM"] = "0"
+    os.environ["ASYNCLOCK_NODE_WINDOW"] = "0"
 
 import anyio
 import numpy as np

@@ -7,7 +7,7 @@ Run with ASYNCLOCK_THREAD_MIN_BYTES and ASYNCLOCK_WINDOW_MIN_BYTES lowered
 job stays short. Every rank builds every rank's input, so it knows the
 expected result: on one node the window folds in rank order, so float
 results must equal numpy's rank-order fold bit for bit, and every rank must
-hold the same bits. `--off`: ASYNCLOCK_WINDOW=0 is set, the same checks hold
+hold the same bits. `--off`: ASYNCLOCK_NODE_WINDOW=0 is set, the same checks hold
 over MPI (floats within a tolerance: MPI sums in its own order) and no
 allreduce may go through a window.
 """

@@ -1,5 +1,11 @@
 """Optimizers made and dropped, one after another, release their threads and gradient
-lanes. Every rank prints its counts (threads, shared windows, extra lanes)."""
+lanes. Every rank prints its counts (threads, shared windows, extra lanes).
+
+    optimizer_churn.py N [--allreduce]
+
+`--allreduce`: buckets as allreduces (`Tuning(shm=False)`), not the shared-memory
+pipeline: with a low ASYNCLOCK_WINDOW_MIN_BYTES they go through the channel's node
+window."""
 
 from __future__ import annotations
 
@@ -13,14 +19,15 @@ from _common import report
 
 import asynclock.torch as hvd
 from asynclock._core.runtime import coordinator as runtime
+from asynclock._core.transports.shared_window import open_windows
 from asynclock.torch._grad.release import wait_released
-from asynclock.torch._grad.windows import open_windows
 
 
 def one_optimizer(rank: int) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   tuning=hvd.Tuning(shm="--allreduce" not in sys.argv))
     for step in range(3):  # past the re-plan: the shared-memory path and its thread
         opt.zero_grad()
         model(torch.full((4, 8), float(rank + step))).sum().backward()

@@ -221,7 +221,7 @@ async def check_sparse_gated_and_refused_gate(c: asynclock.Coordinator) -> None:
 async def check_sharded(c: asynclock.Coordinator) -> None:
     """`shard_optimizer=True`: plain and gated train steps give the unsharded bits (Adam,
     a scheduler stepped between blocks); where no shared window exists (other backend,
-    ASYNCLOCK_SHM=0) the first block raises the same ValueError on every rank."""
+    ASYNCLOCK_NODE_WINDOW=0) the first block raises the same ValueError on every rank."""
     tuning = Tuning(bucket_cap_mb=160 / MiB, first_bucket_mb=48 / MiB)
     models = [mlp(seed=23, hidden=12) for _ in range(3)]
     opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
@@ -257,7 +257,7 @@ async def check_sharded(c: asynclock.Coordinator) -> None:
 
 
 def shared_window(c: asynclock.Coordinator) -> bool:
-    return os.environ.get("ASYNCLOCK_SHM", "1") != "0" and c.backend.name == "mpi"
+    return os.environ.get("ASYNCLOCK_NODE_WINDOW", "1") != "0" and c.backend.name == "mpi"
 
 
 async def main() -> None:

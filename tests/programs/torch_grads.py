@@ -452,7 +452,8 @@ def shm_eligible() -> bool:
     from asynclock.torch._grad.shm import eligible
 
     coord = runtime.coordinator()
-    return eligible(coord, coord.lowlevel.grad_lane) and os.environ.get("ASYNCLOCK_SHM", "1") != "0"
+    switched_on = os.environ.get("ASYNCLOCK_NODE_WINDOW", "1") != "0"
+    return eligible(coord, coord.lowlevel.grad_lane) and switched_on
 
 
 def main() -> None:

@@ -23,8 +23,9 @@ table lists them all.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["DECLARED", "Setting", "agreed", "flag", "forget", "is_set", "load", "markdown_table",
            "number", "text"]
@@ -41,11 +42,14 @@ class Setting:
     agree: bool = False  # every rank of a job must have the same value
     scope: str = RANK
     choices: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()  # deprecated names read when this one is unset
 
 
 def _s(name: str, kind: str, default: str, meaning: str, *, agree: bool = False,
-       scope: str = RANK, choices: tuple[str, ...] = ()) -> Setting:
-    return Setting(f"ASYNCLOCK_{name}", kind, default, meaning, agree, scope, choices)
+       scope: str = RANK, choices: tuple[str, ...] = (),
+       replaces: tuple[str, ...] = ()) -> Setting:
+    return Setting(f"ASYNCLOCK_{name}", kind, default, meaning, agree, scope, choices,
+                   tuple(f"ASYNCLOCK_{old}" for old in replaces))
 
 
 DECLARED: tuple[Setting, ...] = (
@@ -59,15 +63,15 @@ DECLARED: tuple[Setting, ...] = (
        agree=True, choices=("auto", "mpi", "gloo", "measure")),
     _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
        "take.", agree=True),
-    _s("WINDOW", "flag", "1", "Large allreduces through the node's shared-memory window "
-       "where every node holds the same number of ranks, more than one: reduced there, "
-       "then across nodes over MPI, one slice per local rank (0: MPI's own allreduce; "
-       "ASYNCLOCK_BULK=gloo also turns it off).",
-       agree=True),
+    _s("NODE_WINDOW", "flag", "1", "Reduce through the node's shared-memory window: large "
+       "allreduces where every node holds the same number of ranks, more than one (reduced "
+       "there, then across nodes over MPI, one slice per local rank; "
+       "ASYNCLOCK_BULK=gloo also turns this off), and gradient buckets when every rank is "
+       "on one node (0: MPI's own allreduce for both). Replaces `ASYNCLOCK_WINDOW` and "
+       "`ASYNCLOCK_SHM`, still read when it is unset (0 in either turns the window off).",
+       agree=True, replaces=("WINDOW", "SHM")),
     _s("WINDOW_MIN_BYTES", "number", "1048576", "Smallest allreduce the node window takes "
        "(none below `ASYNCLOCK_THREAD_MIN_BYTES`: it runs in the wait thread).", agree=True),
-    _s("SHM", "flag", "1", "Gradient buckets through the node's shared-memory window when "
-       "every rank is on one node.", agree=True),
     _s("SYNC_LEASE", "flag", "1", "Locks may stay cached at the rank that used them last "
        "(0: every acquire asks the lock's home rank).", agree=True),
     _s("WATCHDOG", "flag", "1", "Heartbeats between ranks and the stall inspector.",
@@ -197,6 +201,7 @@ DECLARED: tuple[Setting, ...] = (
 )
 
 _BY_NAME = {s.name: s for s in DECLARED}
+_OLD_NAMES = {old: s for s in DECLARED for old in s.replaces}
 _snapshot: dict[str, str] | None = None
 _given: frozenset[str] = frozenset()  # names the snapshot's environment set
 
@@ -205,6 +210,9 @@ def _setting(name: str) -> Setting:
     try:
         return _BY_NAME[name]
     except KeyError:
+        if name in _OLD_NAMES:
+            raise KeyError(f"{name} is an old name of {_OLD_NAMES[name].name}; read that "
+                           "one") from None
         raise KeyError(f"{name} is not a declared asynclock setting") from None
 
 
@@ -223,12 +231,26 @@ def _checked(setting: Setting, raw: str) -> str:
     return value
 
 
+def _raw(setting: Setting, env: Mapping[str, str]) -> str:
+    """The setting's value in `env`; unset, what its deprecated names say (a flag is
+    off when any of them is 0)."""
+    raw = env.get(setting.name, "")
+    if raw.strip() or not setting.replaces:
+        return raw
+    old = [_checked(replace(setting, name=name), env[name]) for name in setting.replaces
+           if env.get(name, "").strip()]
+    return ("0" if "0" in old else old[0]) if old else raw
+
+
 def load(environ: Mapping[str, str] | None = None) -> None:
     """Read and check every rank-side setting now (a coordinator starts)."""
     global _snapshot, _given
     env = os.environ if environ is None else environ
-    _snapshot = {s.name: _checked(s, env.get(s.name, "")) for s in DECLARED if s.scope == RANK}
-    _given = frozenset(name for name in _snapshot if env.get(name, "").strip())
+    _snapshot = {s.name: _checked(s, _raw(s, env)) for s in DECLARED if s.scope == RANK}
+    _given = frozenset(name for name in _snapshot if _raw(_BY_NAME[name], env).strip())
+    for old in sorted(set(_OLD_NAMES) & {k for k, v in env.items() if v.strip()}):
+        warnings.warn(f"{old} is deprecated: set {_OLD_NAMES[old].name} instead",
+                      FutureWarning, stacklevel=2)
 
 
 def forget() -> None:
@@ -241,15 +263,15 @@ def _value(name: str) -> str:
     setting = _setting(name)
     if _snapshot is not None and name in _snapshot:
         return _snapshot[name]
-    return _checked(setting, os.environ.get(name, ""))
+    return _checked(setting, _raw(setting, os.environ))
 
 
 def is_set(name: str) -> bool:
     """The environment gives `name` a value (rather than leaving the default)."""
-    _setting(name)
+    setting = _setting(name)
     if _snapshot is not None and name in _snapshot:
         return name in _given
-    return bool(os.environ.get(name, "").strip())
+    return bool(_raw(setting, os.environ).strip())
 
 
 def number(name: str) -> float:

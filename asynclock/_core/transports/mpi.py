@@ -313,7 +313,7 @@ class BulkChannel:
         self.gloo = gloo
         # ASYNCLOCK_BULK=gloo asks for every large allreduce over gloo, so the
         # window (whose step across nodes is MPI) stands aside.
-        windowed = settings.flag("ASYNCLOCK_WINDOW") and gloo_mode() != "gloo"
+        windowed = settings.flag("ASYNCLOCK_NODE_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
 

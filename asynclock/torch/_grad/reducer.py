@@ -508,7 +508,7 @@ def check_shard_transport(coord: Any, lane: Any, options: ReduceOptions) -> None
     if not (options.shm and options.replan and eligible(coord, lane)):
         raise ValueError("shard_optimizer=True needs the shared-memory window: every rank "
                          "on one node, the MPI backend with MPI_THREAD_MULTIPLE, and "
-                         "Tuning(shm=True, replan=True) (ASYNCLOCK_SHM not 0)")
+                         "Tuning(shm=True, replan=True) (ASYNCLOCK_NODE_WINDOW not 0)")
 
 
 def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,

@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
+from ..._core.transports.shared_window import allocate
 from .apply import hyperparameters
 from .buckets import Plan
 from .registry import ParamRegistry
 from .shm_chunks import chunk
-from .windows import allocate_shared
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -213,13 +213,8 @@ class Shards:
 
     # -- the switch ------------------------------------------------------------------
     def _window(self, node: Any) -> None:
-        from mpi4py import MPI
-
         total = self.layout.total if self.me == 0 else 0
-        self.win = allocate_shared(total, node)
-        # MPI_Win_sync is only valid inside a passive-target epoch (MPICH refuses it
-        # outside one; Open MPI does not check): one epoch for the window's lifetime.
-        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.win = allocate(total, node)  # locked for its life, as `Win_sync` needs
         memory = self.win.Shared_query(0)[0]
         self.base_bytes = torch.frombuffer(memory, dtype=torch.uint8, count=self.layout.total)
         self._node = node

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..._core.base import settings
@@ -34,12 +33,12 @@ from ..._core.base.errors import JoinedError
 from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
 from ..._core.engine.progress import Engine
+from ..._core.transports.shared_window import SharedWindow
 from .buckets import Plan
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
 from .step_run import StepRun
-from .windows import allocate_shared, free_shared
 
 ALIGN = 64
 SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every rank updates "
@@ -52,20 +51,14 @@ __all__ = ["SharedArena", "ShmTransport", "chunk", "eligible"]
 def eligible(coord: Any, lane: Lane) -> bool:
     """One node, MPI underneath, threads allowed to call MPI, not switched off."""
     backend = coord.backend
-    return (settings.flag("ASYNCLOCK_SHM") and backend.name == "mpi"
+    return (settings.flag("ASYNCLOCK_NODE_WINDOW") and backend.name == "mpi"
             and coord.size > 1 and coord.local_size == coord.size
             and getattr(backend, "thread_level", 0) >= 3 and hasattr(lane.transport, "data"))
 
 
-CTL_BYTES = 256  # each rank's control block, ahead of its gradient buffers
-BELL_OFFSET = 128  # the futex word peers ring, on its own cache line
-COUNTERS = 7  # int64: packed, reduced, gathered, aborted, started, summed, synced
-# (see shm_pipeline)
-
-
 class SharedArena:
-    """One shared window per plan: every rank's gradient buffers, visible to all,
-    each behind a small control block (progress counters and a futex bell)."""
+    """One shared window per plan (`transports.shared_window`): every rank's gradient
+    buffers in its region, visible to all, behind its control block."""
 
     def __init__(self, comm: Any, group_bytes: dict[str, int]) -> None:
         from mpi4py import MPI
@@ -73,25 +66,16 @@ class SharedArena:
         self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         self.rank, self.size = self.node.Get_rank(), self.node.Get_size()
         self.offsets: dict[str, int] = {}
-        total = CTL_BYTES
+        total = 0
         for group, n in sorted(group_bytes.items()):
             self.offsets[group] = total
             total += -(-n // ALIGN) * ALIGN
-        self.win = allocate_shared(total, self.node)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        memory: list[Any] = [self.win.Shared_query(q)[0] for q in range(self.size)]
-        self.bases = [torch.frombuffer(m, dtype=torch.uint8, count=total) for m in memory]
-        self.counters = [np.frombuffer(m, dtype=np.int64, count=COUNTERS) for m in memory]
-        self.bells = [np.frombuffer(m, dtype=np.uint32, count=1, offset=BELL_OFFSET)
-                      for m in memory]
-        self.bell_addresses = [b.data_ptr() + BELL_OFFSET for b in self.bases]
-        self.bases[self.rank][:CTL_BYTES].zero_()  # MPI does not promise zeroed memory
-        self.win.Sync()
-        self.node.Barrier()  # nobody reads a control block before its owner cleared it
+        self.window = SharedWindow.allocate(self.node, total)
+        self.bases = [torch.from_numpy(r) for r in self.window.regions]
 
     def close(self) -> None:
         """Free the window and its node communicator (collective over the node)."""
-        free_shared(self.win)
+        self.window.free()
         self.node.Free()
 
     def buffers(self, group: str, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
@@ -99,10 +83,6 @@ class SharedArena:
         start = self.offsets[group]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return [b[start: start + nbytes].view(dtype) for b in self.bases]
-
-    def sync(self) -> None:
-        """Memory barrier for the window (MPI_Win_sync) around cross-rank reads."""
-        self.win.Sync()
 
 
 class _Round:
@@ -141,7 +121,7 @@ class ShmTransport:
         self.peers, self.post, self._call_soon = peers, post, call_soon
         self.handed = handed
         self.pipeline = None if arena is None else ShmPipeline(
-            arena, plan, peers, post, call_soon, lambda: engine.failure, handed)
+            arena.window, plan, peers, post, call_soon, lambda: engine.failure, handed)
         if self.pipeline is not None:
             engine.watched.append(self.pipeline.stalled)
         self._rounds: dict[int, _Round] = {}

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._core.transports.shared_window import owned_slice
 from .buckets import Bucket, Plan, Segment
 
 
 def chunk(bucket: Bucket, r: int, n: int) -> tuple[int, int]:
-    """Rank r's share [lo, hi) of the bucket, in group-buffer elements."""
-    base, extra = divmod(bucket.numel, n)
-    lo = bucket.offset + r * base + min(r, extra)
-    return lo, lo + base + (1 if r < extra else 0)
+    """Rank r's share [lo, hi) of the bucket, in group-buffer elements (the window's
+    slice ownership, `owned_slice`)."""
+    lo, hi = owned_slice(bucket.numel, r, n)
+    return bucket.offset + lo, bucket.offset + hi
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,15 @@
 """The shared-memory gradient pipeline: one thread per reducer, no MPI per bucket.
 
 Every rank publishes its progress as counters in its control block of the
-shared window (`SharedArena`), which only it writes and every rank reads:
+node's shared window (`transports.shared_window`, which also defines how
+counters are stored and read, the bells and `aborted`), which only it
+writes and every rank reads:
 
 * `packed`: buckets (in launch order) whose gradients sit in its buffer;
 * `reduced`: buckets whose chunk it owns it has summed over all ranks;
 * `gathered`: rounds whose every chunk it has copied back into its buffer;
-* `aborted`: set when its pipeline failed, so peers fail too instead of waiting;
+* `aborted` (the window's own slot): set when its pipeline failed, so peers fail
+  too instead of waiting;
 * `started`: rounds whose checked MPI stage it has issued. Only a hint: when
   every rank's count reaches the round this rank waits to check, its loop is
   told to test that stage now, instead of polling it every millisecond while
@@ -28,7 +31,6 @@ it compares plan checksums, and a joined rank refuses it on every rank.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import deque
@@ -39,15 +41,15 @@ from typing import Any
 
 import torch
 
-from ..._core.base import futex
 from ..._core.base.errors import BackendError
 from ..._core.base.from_thread import name_os_thread
 from ..._core.engine.progress import InflightOp
+from ..._core.transports.shared_window import ABORTED, HINT, LOCAL, PEER, SharedWindow
 from .buckets import Bucket, Plan
 from .shard import Shards
 from .shm_chunks import HandedGrads, Span, chunk, reduce_chunk
 
-PACKED, REDUCED, GATHERED, ABORTED, STARTED, SUMMED, SYNCED = range(7)
+PACKED, REDUCED, GATHERED, STARTED, SUMMED, SYNCED = range(1, 7)  # after the window's ABORTED
 _CHECK_S = 0.1  # a waiting pipeline re-checks for failures this often
 # between rounds nothing can fail here, and everything that gives work rings the
 # bell: sleep long (every idle wake-up takes CPU from the training step)
@@ -86,23 +88,18 @@ class RoundJob:
 class ShmPipeline:
     """Runs rounds one after another in its own thread, driven by counters."""
 
-    def __init__(self, arena: Any, plan: Plan, peers: dict[str, list[torch.Tensor]],
+    def __init__(self, window: SharedWindow, plan: Plan, peers: dict[str, list[torch.Tensor]],
                  post: float, call_soon: Callable[[Callable[[], object]], None],
                  failure: Callable[[], BaseException | None],
                  handed: HandedGrads | None = None) -> None:
-        self.arena, self.plan, self.peers, self.post = arena, plan, peers, post
+        self.window, self.plan, self.peers, self.post = window, plan, peers, post
         self.handed = handed  # gradients hooks did not copy (see shm_chunks)
         self.shard: Shards | None = None  # set: update my chunks, copy nothing back (shard)
-        self.me, self.n = arena.rank, arena.size
+        self.me, self.n = window.rank, window.size
         self._call_soon, self._failure = call_soon, failure
         self._jobs: deque[RoundJob] = deque()
         self._tasks: deque[tuple[Callable[[], None], Callable[[BaseException | None], None]]] \
             = deque()  # side jobs (scaling buckets that went over MPI), before rounds
-        # writes to bells, tagged with the writer so no two look alike: one count per
-        # kind of writer (next() on itertools.count is atomic: the hook thread and
-        # the loop both ring my own bell)
-        self._rings = {kind: itertools.count(1) for kind in ("peer", "local", "start")}
-        self._writers = {"peer": self.me + 1, "local": self.n + 1, "start": self.n + 2 + self.me}
         self._watch = self._hinted = 0  # started rounds: announced here / all-started told
         self._on_all_started: Callable[[int], None] = _ignore
         self._stopped = False
@@ -116,27 +113,27 @@ class ShmPipeline:
     # -- loop side ---------------------------------------------------------------
     def submit(self, job: RoundJob) -> None:
         self._jobs.append(job)
-        self.ring(self.me, "local")
+        self.window.ring(self.me, LOCAL)
 
     def run_soon(self, task: Callable[[], None],
                  then: Callable[[BaseException | None], None]) -> None:
         """Run `task` in this thread; `then(error)` runs on the loop afterwards."""
         self._tasks.append((task, then))
-        self.ring(self.me, "local")
+        self.window.ring(self.me, LOCAL)
 
     def packed(self, job: RoundJob, launched: int) -> None:
         job.launched = launched
-        self.ring(self.me, "local")
+        self.window.ring(self.me, LOCAL)
 
     def wake(self) -> None:
         """Look at the round again now (its `step()` handed what it waited for)."""
-        self.ring(self.me, "local")
+        self.window.ring(self.me, LOCAL)
 
     def stop(self) -> None:
         """Finish the round in hand (if peers let it), then end the thread."""
         self._stopped_at = time.perf_counter()
         self._stopped = True
-        self.ring(self.me, "local")
+        self.window.ring(self.me, LOCAL)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=_STOP_GRACE_S + 1)
 
@@ -145,17 +142,12 @@ class ShmPipeline:
         publish it; once every rank has, `on_all_started(started)` runs on the loop."""
         self._on_all_started = on_all_started
         self._watch = started
-        self._publish(STARTED, started, "start")
-        self.ring(self.me, "local")  # maybe the last to start: look now
-
-    def ring(self, q: int, kind: str = "peer") -> None:
-        """Change q's bell to a value nobody wrote before, then wake it."""
-        futex.ring(self.arena.bells[q], self.arena.bell_addresses[q], self._writers[kind],
-                   next(self._rings[kind]))
+        self._publish(STARTED, started, HINT)
+        self.window.ring(self.me, LOCAL)  # maybe the last to start: look now
 
     def statistics(self) -> PipelineStatistics:
         return PipelineStatistics(self._finished, self._sleeps,
-                                  bool(self.arena.counters[self.me][ABORTED]))
+                                  bool(self.window.counters[self.me][ABORTED]))
 
     def describe(self) -> str:
         """Stall text: which ranks are behind, and in which step of the round."""
@@ -163,8 +155,8 @@ class ShmPipeline:
         if job is None:
             return "shared memory: no round in progress here"
         base, b = job.index * len(job.order), len(job.order)
-        counts = [(q, int(c[PACKED]) - base, int(c[REDUCED]) - base)
-                  for q, c in enumerate(self.arena.counters)]
+        counts = [(q, p - base, r - base) for q, (p, r) in
+                  enumerate(zip(self.window.peek(PACKED), self.window.peek(REDUCED), strict=True))]
         behind = [f"rank {q} packed {max(0, p)}/{b}, reduced {max(0, r)}/{b}"
                   for q, p, r in counts if min(p, r) < b]
         return "shared memory round: " + ("; ".join(behind) or "every rank done")
@@ -173,7 +165,7 @@ class ShmPipeline:
     def _run(self) -> None:
         name_os_thread("asynclock-shm")
         while True:
-            bell = int(self.arena.bells[self.me][0])
+            bell = self.window.bell()
             self._tell_all_started()
             while self._tasks:
                 self._task(*self._tasks.popleft())
@@ -184,8 +176,7 @@ class ShmPipeline:
             if self.current is None or not self._advance(self.current):
                 self._note_blocked(self.current)
                 self._sleeps += 1
-                futex.wait(self.arena.bell_addresses[self.me], bell,
-                           _CHECK_S if self.current is not None else _IDLE_S)
+                self.window.sleep(bell, _CHECK_S if self.current is not None else _IDLE_S)
 
     def _tell_all_started(self) -> None:
         watch = self._watch
@@ -212,12 +203,11 @@ class ShmPipeline:
     def _behind(self, job: RoundJob) -> list[int]:
         """Ranks whose counters hold this rank back (empty: it waits for its own
         backward, which is no stall of the round)."""
-        mine = self.arena.counters[self.me]
-        need = [int(mine[PACKED]), int(mine[REDUCED])]
         if job.gathered == len(job.order):
-            return [q for q, c in enumerate(self.arena.counters) if int(c[GATHERED]) <= job.index]
-        return [q for q, c in enumerate(self.arena.counters)
-                if int(c[PACKED]) < need[0] or int(c[REDUCED]) < need[1]]
+            return [q for q, g in enumerate(self.window.peek(GATHERED)) if g <= job.index]
+        packed, reduced = self.window.peek(PACKED), self.window.peek(REDUCED)
+        return [q for q in range(self.n)
+                if packed[q] < packed[self.me] or reduced[q] < reduced[self.me]]
 
     def stalled(self) -> InflightOp | None:
         """The round's wait for peers, as the stall inspector shows ops (any thread)."""
@@ -268,18 +258,10 @@ class ShmPipeline:
 
     def _least(self, counter: int, base: int, top: int) -> int:
         """Minimum over ranks of `counter`, as a position within this round."""
-        self.arena.sync()
-        least = min(int(c[counter]) for c in self.arena.counters) - base
-        self.arena.sync()  # ... and the buffers they vouch for are read after them
-        return max(0, min(least, top))
+        return max(0, min(self.window.least(counter) - base, top))
 
-    def _publish(self, counter: int, value: int, kind: str = "peer") -> None:
-        self.arena.sync()  # my buffer writes are visible before the counter says so
-        self.arena.counters[self.me][counter] = value
-        self.arena.sync()
-        for q in range(self.n):
-            if q != self.me:
-                self.ring(q, kind)
+    def _publish(self, counter: int, value: int, kind: str = PEER) -> None:
+        self.window.publish(counter, value, kind)
 
     def _fill_positions(self, job: RoundJob, positions: range) -> None:
         """Copy what peers read of these buckets into my buffer, before I say packed."""
@@ -354,8 +336,8 @@ class ShmPipeline:
         failure = self._failure()
         if failure is not None:
             return failure
-        for q, c in enumerate(self.arena.counters):
-            if q != self.me and int(c[ABORTED]):
+        for q in self.window.aborted():
+            if q != self.me:
                 return BackendError(f"rank {q} (node rank) failed in the shared-memory "
                                     "gradient reduction; this round cannot complete")
         return None
@@ -375,8 +357,7 @@ class ShmPipeline:
         self._jobs.clear()
         if self.handed is not None:
             self.handed.clear()
-        if not int(self.arena.counters[self.me][ABORTED]):
-            self._publish(ABORTED, 1)
+        self.window.abort()
         if self.shard is not None:
             self.shard.fail_sync(job.run_number, exc)
         job.on_failed(exc)
