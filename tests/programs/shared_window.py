@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 
 import numpy as np
 from _common import report
@@ -127,4 +128,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)  # peers waiting on this rank would wait out the job
