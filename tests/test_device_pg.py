@@ -15,7 +15,8 @@ TWIN = {"ASYNCLOCK_CUDA_PATH": "gloo-twin"}
 def test_device_path_twin(kind: str, nranks: int, loop: str) -> None:
     args = ["--trio"] if loop == "trio" else []
     job = run_job("device_pg.py", nranks, *args, timeout=120, env=TWIN, kind=kind)
-    assert_labels(job, nranks, "values", "mismatch_cancel", "process_set", "done")
+    assert_labels(job, nranks, "values", "gather_scatter", "gather_errors", "mismatch_cancel",
+                  "process_set", "done")
 
 
 @pytest.mark.slow  # CI: test_device_path_twin covers every op the device path takes
@@ -39,3 +40,11 @@ def test_gradient_buckets_through_the_twin() -> None:
     env = {**TWIN, "ASYNCLOCK_NODE_WINDOW": "0", "ASYNCLOCK_BACKEND": "mpi"}
     job = run_job("torch_grads.py", 2, timeout=240, env=env)
     assert_labels(job, 2, "identical_20_steps", "caps_default", "mismatch_buckets", "done")
+
+
+@pytest.mark.parametrize("kind, nranks", [(DEFAULT_KIND, 2), *[(k, 3) for k in OTHER_KINDS]])
+def test_dropin_and_reset_through_the_twin(kind: str, nranks: int) -> None:
+    """The drop-in's calls through the group, then a reset (`reform`): the old group
+    aborted, the new world's made on a new store and exact."""
+    job = run_job("device_pg.py", nranks, "--hvd", timeout=120, env=TWIN, kind=kind)
+    assert_labels(job, nranks, "hvd_calls", "reset", "done")

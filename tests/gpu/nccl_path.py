@@ -11,6 +11,14 @@ Checks, each printing `RANK r OK <label>`:
 * path: `cuda.describe()` names the path every rank agreed on;
 * values: allreduce (sum, average, max; float32, float16, bfloat16, int64), in place
   and not, broadcast from every root, against exact expectations;
+* gather_scatter: allgather with dim 0 differing by rank (float32, bfloat16, int16 on
+  the GPU: moved as bytes), reduce-scatter split unevenly (sum, average; float16 reduces
+  natively), alltoall with uneven splits, each against exact expectations and each
+  through the device group on the NCCL path; a mismatch fails on every rank and the
+  next call is exact; broadcast_parameters and broadcast_optimizer_state of CUDA
+  tensors (their data through the group too);
+* race_gather: an allgather whose input is written after a ~80 ms spin kernel on a
+  side stream, read by a kernel right after: the late value, gathered;
 * race_producer: the tensor is written after a ~80 ms spin kernel on a side stream and
   the collective starts at once: it must reduce the late value (the call waits for the
   producer's stream, not the host);
@@ -80,6 +88,94 @@ async def check_values(c: asynclock.Coordinator, dev: torch.device) -> None:
     report(r, "values")
 
 
+def split(d0: int, n: int) -> list[int]:
+    base, extra = divmod(d0, n)
+    return [base + (1 if q < extra else 0) for q in range(n)]
+
+
+async def check_gather_scatter(c: asynclock.Coordinator, dev: torch.device) -> None:
+    r, n = c.rank, c.size
+    before = group_calls(c)
+    dtypes = [torch.float32, torch.int16] + ([] if CPU else [torch.bfloat16, torch.float16])
+    for dtype in dtypes:
+        got = await c.allgather(torch.full((r + 1, 3), r, dtype=dtype, device=dev))
+        want = torch.cat([torch.full((q + 1, 3), q, dtype=dtype) for q in range(n)])
+        assert got.device == dev and torch.equal(got.cpu(), want), (dtype, got)
+    scattered = [torch.float64] + ([] if CPU else [torch.float16])
+    for dtype in scattered:
+        d0 = 2 * n + 1
+        base = torch.arange(d0 * 4, dtype=dtype).reshape(d0, 4)
+        start = sum(split(d0, n)[:r])
+        mine = (n * base + sum(range(n)))[start: start + split(d0, n)[r]]
+        got = await c.reduce_scatter((base + r).to(dev), asynclock.Sum)
+        assert got.device == dev and torch.equal(got.cpu(), mine), (dtype, got)
+        got = await c.reduce_scatter((base + r).to(dev), asynclock.Average)
+        assert torch.allclose(got.cpu().double(), mine.double() / n, rtol=1e-3), (dtype, got)
+    splits = [r + q for q in range(n)]
+    send = torch.cat([torch.full((r + q, 2), 100 * r + q, dtype=torch.int64) for q in range(n)])
+    out, got_splits = await c.alltoall(send.to(dev), splits)
+    want = torch.cat([torch.full((q + r, 2), 100 * q + r, dtype=torch.int64) for q in range(n)])
+    assert got_splits == [q + r for q in range(n)] and torch.equal(out.cpu(), want), out
+    moved = len(dtypes) + 2 * len(scattered) + 1  # allgathers, reduce-scatters, the alltoall
+    if n > 1:
+        other = torch.float32 if r else torch.float64
+        try:
+            await c.allgather(torch.ones(N, device=dev, dtype=other))
+        except asynclock.MismatchError:
+            pass
+        else:
+            raise AssertionError("an allgather of two dtypes went through")
+    got = await c.allgather(torch.full((N,), float(r), device=dev))
+    assert torch.equal(got.cpu(), torch.arange(n).repeat_interleave(N).float()), got
+    moved += 1
+    if "through a private process group" in cuda.describe():
+        assert group_calls(c) - before == moved, (group_calls(c) - before, moved)
+    await check_broadcasts(c, dev)
+    report(r, "gather_scatter")
+
+
+async def check_broadcasts(c: asynclock.Coordinator, dev: torch.device) -> None:
+    """broadcast_parameters and broadcast_optimizer_state (the async forms the drop-in's
+    run) of CUDA parameters and state: rank 0's on every rank, on the device."""
+    from asynclock.torch._hvd.params import (
+        broadcast_optimizer_state_async,
+        broadcast_parameters_async,
+    )
+
+    torch.manual_seed(c.rank)
+    model = torch.nn.Linear(300, 200).to(dev)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.full((4, 300), float(c.rank), device=dev)).sum().backward()
+    opt.step()
+    before = group_calls(c)
+    await broadcast_parameters_async(c, model.state_dict(), 0)
+    await broadcast_optimizer_state_async(c, opt, 0)
+    rows = await c.allgather(torch.cat([model.weight.detach().reshape(1, -1),
+                                        opt.state[model.weight]["exp_avg"].reshape(1, -1)], 1))
+    assert all(torch.equal(rows[0], row) for row in rows), "parameters or state differ"
+    assert opt.state[model.weight]["exp_avg"].device == dev
+    if "through a private process group" in cuda.describe():
+        assert group_calls(c) - before >= 4, group_calls(c) - before  # weight, bias, 2 moments
+
+
+async def check_race_gather(c: asynclock.Coordinator, dev: torch.device) -> None:
+    r, n = c.rank, c.size
+    x = torch.zeros(N, device=dev)
+    if CPU:
+        x.fill_(r + 1.0)
+    else:
+        from gpu_util import late_fill
+
+        side = torch.cuda.Stream()
+        late_fill(x, r + 1.0, SLOW_MS, side)
+        torch.cuda.current_stream().wait_stream(side)
+    got = await c.allgather(x)
+    doubled = got * 2
+    want = torch.arange(1, n + 1).repeat_interleave(N).float() * 2
+    assert torch.equal(doubled.cpu(), want), doubled[:4]
+    report(r, "race_gather")
+
+
 async def check_races(c: asynclock.Coordinator, dev: torch.device) -> None:
     r, n = c.rank, c.size
     x = torch.zeros(N, device=dev)
@@ -145,6 +241,8 @@ async def one_world(reset: bool) -> None:
         if not reset:
             report(c.rank, "path")
             await check_values(c, dev)
+            await check_gather_scatter(c, dev)
+            await check_race_gather(c, dev)
             await check_races(c, dev)
             await check_buckets(c, dev)
             if "through a private process group" in text:

@@ -2,21 +2,28 @@
 GPU job runs for CUDA tensors, with only the backend name changed (`engine.device_pg`).
 
 Checks exact values for every op and dtype it takes, in place and not, broadcasts from
-every root, that the data went through the channel's process group (its call count),
-that a mismatch is still refused by the header round on every rank, that a cancelled
-caller leaves the ranks in step, and that a process set's channel has a group of its own.
+every root, allgathers whose dim 0 differs by rank (one rank's small enough to ride
+inline, the others' not), reduce-scatters split unevenly, alltoalls with uneven and
+empty splits, that the data went through the channel's process group (its call count),
+that a mismatch or a bad argument is still refused by the header round on every rank,
+that a cancelled caller leaves the ranks in step, and that a process set's channel has
+a group of its own. `--hvd`: the drop-in's calls (broadcast_parameters and
+broadcast_optimizer_state too) through the same group, then a reset as an elastic one
+makes it: the old group aborted, a new one made and exact.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 import anyio
 import torch
 from _common import report, run
 
 import asynclock
-from asynclock import MismatchError, cuda
+from asynclock import InvalidInputError, MismatchError, RemoteInputError, cuda
 
 N = 70_000  # past the header's inline payload and the small-call sizes alike
 
@@ -48,6 +55,83 @@ async def check_values(c: asynclock.Coordinator) -> None:
     report(r, "values")
 
 
+async def check_gather_scatter(c: asynclock.Coordinator) -> None:
+    """Allgather, reduce-scatter and alltoall, sizes differing by rank, exact."""
+    before = group_calls(c)
+    r, n = c.rank, c.size
+    for dtype in (torch.float32, torch.int16, torch.bfloat16):  # moved as bytes: any dtype
+        got = await c.allgather(torch.full((r + 1, 3), r, dtype=dtype))
+        want = torch.cat([torch.full((q + 1, 3), q, dtype=dtype) for q in range(n)])
+        assert torch.equal(got, want), (dtype, got)
+    # rank 0's is large, the others' would ride inline: every rank takes the group alike
+    rows = (N if r == 0 else 1)
+    got = await c.allgather(torch.full((rows,), float(r)))
+    want = torch.cat([torch.full((N if q == 0 else 1,), float(q)) for q in range(n)])
+    assert torch.equal(got, want), got[-4:]
+    got = await c.allgather(torch.tensor(float(r)))  # a 0-d tensor: one row each
+    assert torch.equal(got, torch.arange(n, dtype=torch.float32)), got
+    calls = 3 + 2
+    for d0 in (2 * n + 1, n, 1):  # uneven, even, fewer rows than ranks
+        base = torch.arange(d0 * 5, dtype=torch.float64).reshape(d0, 5)
+        full = n * base + sum(range(n))
+        start = sum(split(d0, n)[:r])
+        mine = full[start: start + split(d0, n)[r]]
+        got = await c.reduce_scatter(base + r, asynclock.Sum)
+        assert torch.equal(got, mine), (d0, got, mine)
+        got = await c.reduce_scatter((base + r).float(), asynclock.Average)
+        assert torch.allclose(got, (mine / n).float()), (d0, got)
+        got = await c.reduce_scatter((base + r).long(), asynclock.Max)
+        assert torch.equal(got, (base + n - 1).long()[start: start + split(d0, n)[r]]), got
+        calls += 3
+    splits = [r + q for q in range(n)]  # rank r sends r + q rows to rank q (0 to itself)
+    send = torch.cat([torch.full((r + q, 2), 100 * r + q, dtype=torch.int64)
+                      for q in range(n)])
+    out, got_splits = await c.alltoall(send, splits)
+    assert got_splits == [q + r for q in range(n)], got_splits
+    want = torch.cat([torch.full((q + r, 2), 100 * q + r, dtype=torch.int64) for q in range(n)])
+    assert torch.equal(out, want), out
+    out, got_splits = await c.alltoall(torch.zeros(0, 3), [0] * n)  # nothing to move
+    assert out.shape == (0, 3) and got_splits == [0] * n, (out.shape, got_splits)
+    calls += 1  # an empty alltoall moves nothing through the group
+    assert group_calls(c) - before == calls, (group_calls(c) - before, calls)
+    report(r, "gather_scatter")
+
+
+def split(d0: int, n: int) -> list[int]:
+    base, extra = divmod(d0, n)
+    return [base + (1 if q < extra else 0) for q in range(n)]
+
+
+async def check_gather_errors(c: asynclock.Coordinator) -> None:
+    """Mismatches and bad arguments fail on every rank; the group stays in step."""
+    dtype = torch.float32 if c.rank == 0 else torch.float64
+    try:
+        await c.allgather(torch.ones(N, dtype=dtype))
+    except MismatchError as exc:
+        assert "float32" in str(exc) and "float64" in str(exc), exc
+    else:
+        raise AssertionError("an allgather of two dtypes went through")
+    splits = [N] * c.size if c.rank == 0 else None  # rank 0's do not add up
+    try:
+        await c.alltoall(torch.ones(N * c.size), splits)
+    except (InvalidInputError, RemoteInputError) as exc:
+        assert "splits" in str(exc) or "rank 0" in str(exc), exc
+    else:
+        raise AssertionError("an alltoall with bad splits went through")
+    try:
+        await c.reduce_scatter(torch.ones(c.size * 4), "max" if c.rank == 0 else "sum")
+    except MismatchError:
+        pass
+    else:
+        raise AssertionError("a reduce-scatter of two ops went through")
+    with anyio.CancelScope() as scope:  # cancelled at once: the engine still runs it
+        scope.cancel()
+        await c.allgather(torch.ones(N + c.rank))
+    got = await c.allgather(torch.full((2,), float(c.rank)))
+    assert torch.equal(got, torch.arange(c.size).repeat_interleave(2).float()), got
+    report(c.rank, "gather_errors")
+
+
 async def check_mismatch_and_cancel(c: asynclock.Coordinator) -> None:
     try:
         await c.allreduce(torch.ones(N + c.rank))
@@ -70,9 +154,80 @@ async def check_process_set(c: asynclock.Coordinator) -> None:
         assert lane is not None and lane.transport.device_group is not None
         got = await evens.api.allreduce(torch.full((N,), 1.0), asynclock.Sum)
         assert torch.equal(got, torch.full((N,), float(evens.size))), got[:4]
-        assert lane.transport.device_group.calls == 1, lane.transport.device_group.calls
+        got = await evens.api.allgather(torch.full((evens.rank + 1,), float(c.rank)))
+        want = torch.cat([torch.full((i + 1,), float(q)) for i, q in enumerate(evens.ranks)])
+        assert torch.equal(got, want), got
+        out, _ = await evens.api.alltoall(torch.full((evens.size * 2,), float(c.rank)))
+        assert torch.equal(out, torch.tensor(evens.ranks, dtype=torch.float32)
+                           .repeat_interleave(2)), out
+        assert lane.transport.device_group.calls == 3, lane.transport.device_group.calls
     await c.remove_process_set(evens)
     report(c.rank, "process_set")
+
+
+def user_group(c: asynclock.Coordinator) -> Any:
+    group = c.engine.lanes[0].transport.device_group
+    assert group is not None and group.backend == "gloo", group
+    return group
+
+
+def hvd_calls(hvd: Any, c: asynclock.Coordinator) -> None:
+    """The drop-in's collectives, and its parameter and optimizer broadcasts."""
+    r, n = hvd.rank(), hvd.size()
+    group = user_group(c)
+    before = group.calls
+    got = hvd.allgather(torch.full((r + 1, 2), float(r)))
+    assert torch.equal(got, torch.cat([torch.full((q + 1, 2), float(q)) for q in range(n)]))
+    got = hvd.reducescatter(torch.full((2 * n + 1, 2), float(r + 1)), op=hvd.Sum)
+    assert torch.equal(got, torch.full((split(2 * n + 1, n)[r], 2), float(sum(range(1, n + 1)))))
+    got = hvd.alltoall(torch.full((2 * n,), float(r)))
+    assert torch.equal(got, torch.arange(n).repeat_interleave(2).float()), got
+    torch.manual_seed(r)
+    model = torch.nn.Linear(200, 100)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, torch.nn.Linear(200, 100).weight)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.full((4, 200), float(r))).sum().backward()
+    opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    avg = opt.state[model.weight]["exp_avg"]
+    rows = hvd.allgather(avg.reshape(1, -1))
+    assert all(torch.equal(rows[0], row) for row in rows), "optimizer state differs"
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    if r % 2 == 0:
+        got = hvd.allgather(torch.full((N,), float(r)), process_set=evens)
+        assert torch.equal(got, torch.arange(0, n, 2).repeat_interleave(N).float())
+    hvd.remove_process_set(evens)
+    # allgather, reducescatter, alltoall, the weight and bias, and the state's allgather
+    assert group.calls - before >= 6, group.calls - before
+    report(r, "hvd_calls")
+
+
+def hvd_main() -> None:
+    """The drop-in, then a reset as Horovod's elastic launcher makes one (`reform`):
+    the old group is aborted, the new world makes a new one on a new store."""
+    import asynclock.torch as hvd
+    from asynclock._core.runtime import coordinator as runtime
+    from asynclock._core.runtime.elastic import reform
+
+    hvd.init()
+    old = runtime.coordinator()
+    hvd_calls(hvd, old)
+    group = user_group(old)
+    pg = group.pg
+    assert pg is not None
+    os.environ["HOROVOD_ELASTIC"] = "1"  # what reform() asks of the launcher
+    new = reform()
+    assert group.pg is None, "the old world's group was not aborted"
+    fresh = user_group(new)
+    assert fresh is not group and fresh.store is not group.store and fresh.pg is None
+    got = hvd.allreduce(torch.ones(N), op=hvd.Sum)
+    assert torch.equal(got, torch.full((N,), float(new.size))), got[:4]
+    assert fresh.calls == 1 and fresh.pg is not None and fresh.pg is not pg, fresh.calls
+    report(new.rank, "reset")
+    hvd.shutdown()
+    report(new.rank, "done")
 
 
 async def describe_only() -> None:
@@ -86,10 +241,15 @@ async def main() -> None:
         text = cuda.describe()
         assert "gloo-twin through a private process group" in text, text
         await check_values(c)
+        await check_gather_scatter(c)
+        await check_gather_errors(c)
         await check_mismatch_and_cancel(c)
         await check_process_set(c)
         report(c.rank, "done")
 
 
 if __name__ == "__main__":
-    run(describe_only if "--describe" in sys.argv else main)
+    if "--hvd" in sys.argv:
+        hvd_main()
+    else:
+        run(describe_only if "--describe" in sys.argv else main)

@@ -1,11 +1,11 @@
 """CUDA tensors over NCCL, through the channel's private process group.
 
 Where every rank has a GPU of its own and torch has NCCL (`transports.process_group`,
-`ASYNCLOCK_CUDA_PATH`), an allreduce or broadcast of a CUDA tensor keeps its data on
-the GPU. Everything before the data stage is the host path's: the header round checks
-and orders the call on every rank, so NCCL sees the calls in the same order everywhere,
-errors and stall reports are the same, and a cancelled caller leaves the operation to
-the engine. Only the data stage differs:
+`ASYNCLOCK_CUDA_PATH`), an allreduce, broadcast, allgather, reduce-scatter or alltoall
+of a CUDA tensor keeps its data on the GPU. Everything before the data stage is the
+host path's: the header round checks and orders the call on every rank, so NCCL sees
+the calls in the same order everywhere, errors and stall reports are the same, and a
+cancelled caller leaves the operation to the engine. Only the data stage differs:
 
 - it is issued behind the producer: the staging gate holds the operation until the
   tensor's ready event (recorded on the caller's stream when the call was made)
@@ -14,7 +14,12 @@ the engine. Only the data stage differs:
   polled with `Work.is_completed()`, which queries NCCL's end event (no host
   synchronize, no `Work.wait()` that blocks the loop);
 - an average sums, then scales on the device, on the stream that waited for NCCL;
-  consumers wait for the event recorded after it (`mark_done`), by stream.
+  consumers wait for the event recorded after it (`mark_done`), by stream;
+- sizes that differ by rank (an allgather's dim 0, a reduce-scatter's uneven split)
+  are padded to the largest on the device, as torch's collectives take one size per
+  rank; an alltoall's splits are exchanged over MPI first, as on the host path. Data
+  that is only moved (broadcast, allgather, alltoall) travels as bytes, so every dtype
+  goes; reductions take the dtypes both NCCL and gloo reduce (`PG_REDUCE_CODES`).
 
 `ASYNCLOCK_CUDA_PATH=gloo-twin` runs this same code on CPU tensors with a gloo
 group: the CPU twin that CI runs where there is no GPU.
@@ -22,18 +27,22 @@ group: the CPU twin that CI runs where there is no GPU.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
 import numpy as np
 
-from ..base.header import INLINE_BYTES
-from ..base.ops import FLOAT_CODES, NUMPY_OF_CODE, ReduceOp
+from ..base.header import INLINE_BYTES, W_DIM0, W_NBYTES
+from ..base.ops import DTYPE_CODES, FLOAT_CODES, NUMPY_OF_CODE, ReduceOp
 from ..base.tensors import Buffer
 from ..device.events import record
 from ..transports.process_group import PGGroup, PGRequest
-from .collective_ops import AllreduceOp, BroadcastOp
+from .collective_ops import AllgatherOp, AllreduceOp, AlltoallOp, BroadcastOp, ReduceScatterOp
 from .operation import Lane, Operation, Stage
+
+# What NCCL and gloo both reduce (neither takes int16): one rule for both backends.
+PG_REDUCE_CODES = FLOAT_CODES | {DTYPE_CODES[n] for n in ("int8", "uint8", "int32", "int64")}
 
 
 def group_of(lane: Lane) -> PGGroup | None:
@@ -42,19 +51,29 @@ def group_of(lane: Lane) -> PGGroup | None:
 
 
 def pg_eligible(op: Operation, lane: Lane) -> bool:
-    """Whether this operation's data goes through the lane's process group: an
-    allreduce or broadcast larger than the header's inline payload (smaller ones ride
-    in the header round), not an integer average (the host path divides as numpy)."""
-    if group_of(lane) is None or type(op) not in (AllreduceOp, BroadcastOp):
+    """Whether this operation's data goes through the lane's process group.
+
+    An allreduce or broadcast larger than the header's inline payload (smaller ones
+    ride in the header round; the size is the same on every rank, or the header
+    round fails the call); an allgather or alltoall whatever its size, as its size
+    differs by rank and every rank must choose alike; a reduce-scatter (nothing of it
+    rides inline). Reductions in a dtype both backends reduce, and no integer average
+    (the host path divides as numpy)."""
+    kind = type(op)
+    if kind not in _BASES or group_of(lane) is None:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(_tensor(op), torch.Tensor):
         return False
     buf = op.buf  # type: ignore[attr-defined]
-    torch = sys.modules.get("torch")
-    if buf.array.nbytes <= INLINE_BYTES or torch is None \
-            or not isinstance(_tensor(op), torch.Tensor):
+    if kind in (AllgatherOp, AlltoallOp):
+        return True
+    if kind is BroadcastOp:
+        return bool(buf.array.nbytes > INLINE_BYTES)
+    if buf.code not in PG_REDUCE_CODES or (
+            op.op is ReduceOp.AVERAGE and buf.code not in FLOAT_CODES):  # type: ignore[attr-defined]
         return False
-    if type(op) is AllreduceOp:
-        return op.op is not ReduceOp.AVERAGE or buf.code in FLOAT_CODES
-    return True
+    return kind is ReduceScatterOp or bool(buf.array.nbytes > INLINE_BYTES)
 
 
 def device_buffer(tensor: Any) -> Buffer:
@@ -92,6 +111,21 @@ def _tensor(op: Any) -> Any:
     return device if device is not None else op.buf.source
 
 
+def _bytes(tensor: Any) -> Any:
+    """A contiguous tensor's memory as flat bytes (a view: writes land in it)."""
+    return tensor.detach().reshape(-1).view(sys.modules["torch"].uint8)
+
+
+class _Done:
+    """A data stage with nothing to move, finished at once (every rank knows it)."""
+
+    def Test(self) -> bool:  # noqa: N802 - the engine's request protocol
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        """Nothing to wait for."""
+
+
 def _land(op: Any, target: Any) -> Any:
     """The event consumers of a CUDA result wait for (by stream), recorded after the
     collective and the scaling; None for a CPU result, which is ready now."""
@@ -115,8 +149,7 @@ class PGAllreduceOp(AllreduceOp):
         in_place = self.out is self.buf.array
         self.target = tensor if in_place else sys.modules["torch"].clone(tensor)
         self.stage_bytes = 0  # polled by the engine: nothing blocks a thread
-        group = group_of(self.lane)
-        assert group is not None
+        group = _group(self)
         return [lambda t: PGRequest(group.issue_allreduce(self.target, self.op))]
 
     def finish(self) -> Any:
@@ -138,16 +171,119 @@ class PGBroadcastOp(BroadcastOp):
         in_place = self.out is self.buf.array
         self.target = tensor if in_place else sys.modules["torch"].clone(tensor)
         self.stage_bytes = 0
-        group = group_of(self.lane)
-        assert group is not None
-        return [lambda t: PGRequest(group.issue_broadcast(self.target, self.root))]
+        group = _group(self)
+        return [lambda t: PGRequest(group.issue_broadcast(_bytes(self.target), self.root))]
 
     def finish(self) -> Any:
         self.done_event = _land(self, self.target)
         return self.target
 
 
-_TWINS: dict[type, type] = {AllreduceOp: PGAllreduceOp, BroadcastOp: PGBroadcastOp}
+class PGAllgatherOp(AllgatherOp):
+    """Allgather of the caller's tensor on the channel's process group; dim 0 may
+    differ by rank: each rank's bytes are padded to the largest, then packed."""
+
+    def fill_inline(self, slot: Any) -> None:
+        """Never inline: every rank takes this path whatever its size."""
+
+    def plan(self, rows: Any, payload: Any) -> list[Stage]:
+        torch = sys.modules["torch"]
+        tensor = _tensor(self)
+        row_bytes = math.prod(self.shape[1:]) * tensor.element_size()
+        dim0s = [int(d) for d in rows[:, W_DIM0]]
+        self.shape = (sum(dim0s), *self.shape[1:])
+        self.counts = [d * row_bytes for d in dim0s]
+        self.widest = most = max(self.counts)
+        self.dtype = tensor.dtype
+        self.stage_bytes = 0
+        send = _bytes(tensor)
+        if send.numel() < most:
+            send = torch.cat([send, send.new_zeros(most - send.numel())])
+        self.gathered = send.new_empty(most * len(dim0s))
+        if most == 0:
+            return []
+        group = _group(self)
+        return [lambda t: PGRequest(group.issue_allgather(self.gathered, send))]
+
+    def finish(self) -> Any:
+        data, most = self.gathered, self.widest
+        if any(n != most for n in self.counts):
+            data = sys.modules["torch"].cat(
+                [data[r * most: r * most + n] for r, n in enumerate(self.counts)])
+        result = data.view(self.dtype).reshape(self.shape)
+        self.done_event = _land(self, result)
+        return result
+
+
+class PGReduceScatterOp(ReduceScatterOp):
+    """Reduce-scatter of the caller's tensor on the channel's process group; an
+    uneven split is padded to the largest slice on the device."""
+
+    def plan(self, rows: Any, payload: Any) -> list[Stage]:
+        tensor = _tensor(self).detach().reshape(-1)
+        counts, size = self.counts, self.lane.size
+        most = max(counts)
+        self.stage_bytes = 0
+        self.target = tensor.new_empty(most)
+        if most == 0:
+            return []
+        send = tensor
+        if any(n != most for n in counts):
+            send = tensor.new_zeros(most * size)
+            start = 0
+            for r, n in enumerate(counts):
+                send[r * most: r * most + n].copy_(tensor[start: start + n])
+                start += n
+        group = _group(self)
+        return [lambda t: PGRequest(group.issue_reduce_scatter(self.target, send, self.op))]
+
+    def finish(self) -> Any:
+        mine = self.target[: self.counts[self.lane.rank]]
+        if self.op is ReduceOp.AVERAGE:
+            mine.div_(self.lane.size)
+        result = mine.reshape(self.shape)
+        self.done_event = _land(self, result)
+        return result
+
+
+class PGAlltoallOp(AlltoallOp):
+    """Alltoall of the caller's tensor: the splits go over MPI first (as on the host
+    path), then the rows, as bytes, on the channel's process group."""
+
+    def plan(self, rows: Any, payload: Any) -> list[Stage]:
+        self.stage_bytes = 0
+        self.moved = int(rows[:, W_NBYTES].sum())  # agreed: 0 on every rank or none
+        return [lambda tr: tr.ialltoall(self.send_splits, self.recv_splits), self._pg_stage]
+
+    def _pg_stage(self, transport: Any) -> Any:
+        tensor = _tensor(self)
+        self.dtype = tensor.dtype
+        row_bytes = self.row_elems * tensor.element_size()
+        sends = [int(s) * row_bytes for s in self.send_splits]
+        takes = [int(s) * row_bytes for s in self.recv_splits]
+        send = _bytes(tensor)
+        self.target = send.new_empty(sum(takes))
+        if not self.moved:
+            return _Done()
+        return PGRequest(_group(self).issue_alltoall(self.target, send, takes, sends))
+
+    def finish(self) -> Any:
+        shape = (int(self.recv_splits.sum()), *self.buf.shape[1:])
+        result = self.target.view(self.dtype).reshape(shape)
+        self.done_event = _land(self, result)
+        return result, [int(s) for s in self.recv_splits]
+
+
+def _group(op: Operation) -> PGGroup:
+    group = group_of(op.lane)
+    assert group is not None
+    return group
+
+
+_TWINS: dict[type, type] = {AllreduceOp: PGAllreduceOp, BroadcastOp: PGBroadcastOp,
+                            AllgatherOp: PGAllgatherOp, ReduceScatterOp: PGReduceScatterOp,
+                            AlltoallOp: PGAlltoallOp}
+_BASES = tuple(_TWINS)  # the collectives that have a process-group form
 
 
 def pg_class(cls: type) -> type:

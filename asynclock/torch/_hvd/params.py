@@ -10,7 +10,7 @@ differ get a `MismatchError` naming it instead of silently mixing tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,7 +61,11 @@ async def broadcast_optimizer_state_async(coord: runtime.Coordinator,
     As in Horovod, a rank whose optimizer has no state yet first creates it with
     one local step on zero gradients (`create_missing_state`), so that root's
     buffers have somewhere to go; then the whole state dict (hyperparameters too,
-    also for a stateless optimizer) is broadcast and loaded.
+    also for a stateless optimizer) is loaded from root's. Its tensors travel as
+    tensors, each broadcast named after its place in the state dict, to a tensor on
+    the device of this rank's own at that place (CUDA state: the GPU path, NCCL
+    where the job has it); the rest, with each tensor's shape and dtype in its
+    place, as one object.
 
     Args:
         coord: the running coordinator, on whose loop this runs.
@@ -76,10 +80,63 @@ async def broadcast_optimizer_state_async(coord: runtime.Coordinator,
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     create_missing_state(optimizer, model)
-    state = optimizer.state_dict() if coord.rank == root_rank else None
-    state = await coord.broadcast_object(state, root_rank, name="optimizer.state")
-    if coord.rank != root_rank:
+    mine = optimizer.state_dict()
+    sent: list[tuple[str, torch.Tensor]] = []
+    skeleton = _hollow(mine, "optimizer.state", sent) if coord.rank == root_rank else None
+    skeleton = await coord.broadcast_object(skeleton, root_rank, name="optimizer.state")
+    if coord.rank == root_rank:
+        tensors = [(name, t.detach().contiguous()) for name, t in sent]
+        state = None
+    else:
+        own: dict[str, torch.Tensor] = {}
+        _hollow(mine, "optimizer.state", [], own)
+        tensors = []
+        state = _fill(skeleton, "optimizer.state", own, tensors)
+    handles = [coord.broadcast_async_(t, root_rank, name=name) for name, t in tensors]
+    for h in handles:
+        await h
+    if state is not None:
         optimizer.load_state_dict(state)
+
+
+class _Slot(NamedTuple):
+    """A tensor's place in the broadcast state dict: what to receive it into."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _hollow(obj: Any, path: str, found: list[tuple[str, torch.Tensor]],
+            by_path: dict[str, torch.Tensor] | None = None) -> Any:
+    """`obj` with every tensor (in dicts, lists and tuples) replaced by its `_Slot`;
+    the tensors in order into `found`, and by path into `by_path`."""
+    if isinstance(obj, torch.Tensor):
+        found.append((path, obj))
+        if by_path is not None:
+            by_path[path] = obj
+        return _Slot(tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _hollow(v, f"{path}.{k}", found, by_path) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_hollow(v, f"{path}.{i}", found, by_path) for i, v in enumerate(obj))
+    return obj
+
+
+def _fill(obj: Any, path: str, own: dict[str, torch.Tensor],
+          made: list[tuple[str, torch.Tensor]]) -> Any:
+    """The skeleton with a new tensor in each `_Slot`, on the device of this rank's own
+    tensor at that place (CPU where it has none); the new tensors in order into `made`."""
+    if isinstance(obj, _Slot):
+        like = own.get(path)
+        t = torch.empty(obj.shape, dtype=obj.dtype,
+                        device=like.device if like is not None else "cpu")
+        made.append((path, t))
+        return t
+    if isinstance(obj, dict):
+        return {k: _fill(v, f"{path}.{k}", own, made) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_fill(v, f"{path}.{i}", own, made) for i, v in enumerate(obj))
+    return obj
 
 
 def create_missing_state(optimizer: torch.optim.Optimizer, model: Any = None) -> None:
