@@ -17,7 +17,8 @@ cancelled caller leaves the operation to the engine. Only the data stage differs
   consumers wait for the event recorded after it (`mark_done`), by stream;
 - sizes that differ by rank (an allgather's dim 0, a reduce-scatter's uneven split)
   are padded to the largest on the device, as torch's collectives take one size per
-  rank; an alltoall's splits are exchanged over MPI first, as on the host path. Data
+  rank; an alltoall's splits are exchanged over MPI first, as on the host path; a
+  reduce-scatter is an alltoall of the slices, folded on the device. Data
   that is only moved (broadcast, allgather, alltoall) travels as bytes, so every dtype
   goes; reductions take the dtypes both NCCL and gloo reduce (`PG_REDUCE_CODES`).
 
@@ -216,15 +217,18 @@ class PGAllgatherOp(AllgatherOp):
 
 
 class PGReduceScatterOp(ReduceScatterOp):
-    """Reduce-scatter of the caller's tensor on the channel's process group; an
-    uneven split is padded to the largest slice on the device."""
+    """Reduce-scatter of the caller's tensor on the channel's process group: an
+    alltoall hands rank r every rank's r-th slice (an uneven split padded to the
+    largest), which rank r then folds on the device, in the tensor's dtype. Not the
+    backends' own reduce-scatter: gloo's makes no progress until it is waited for,
+    and a polled one would never finish; the alltoall moves the same bytes."""
 
     def plan(self, rows: Any, payload: Any) -> list[Stage]:
         tensor = _tensor(self).detach().reshape(-1)
         counts, size = self.counts, self.lane.size
         most = max(counts)
         self.stage_bytes = 0
-        self.target = tensor.new_empty(most)
+        self.target = tensor.new_empty(most * size)
         if most == 0:
             return []
         send = tensor
@@ -234,16 +238,28 @@ class PGReduceScatterOp(ReduceScatterOp):
             for r, n in enumerate(counts):
                 send[r * most: r * most + n].copy_(tensor[start: start + n])
                 start += n
+        split = [most] * size
         group = _group(self)
-        return [lambda t: PGRequest(group.issue_reduce_scatter(self.target, send, self.op))]
+        return [lambda t: PGRequest(group.issue_alltoall(self.target, send, split, split))]
 
     def finish(self) -> Any:
-        mine = self.target[: self.counts[self.lane.rank]]
+        size, mine = self.lane.size, self.counts[self.lane.rank]
+        parts = self.target.view(size, -1)[:, :mine] if mine else self.target[:0]
+        result = _fold(parts, self.op) if mine else parts
         if self.op is ReduceOp.AVERAGE:
-            mine.div_(self.lane.size)
-        result = mine.reshape(self.shape)
+            result.div_(size)
+        result = result.reshape(self.shape)
         self.done_event = _land(self, result)
         return result
+
+
+def _fold(parts: Any, op: ReduceOp) -> Any:
+    """Every rank's slice (one per row) reduced to one, in their dtype."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return parts.sum(0, dtype=parts.dtype)
+    if op is ReduceOp.PRODUCT:
+        return parts.prod(0, dtype=parts.dtype)
+    return parts.amax(0) if op is ReduceOp.MAX else parts.amin(0)
 
 
 class PGAlltoallOp(AlltoallOp):

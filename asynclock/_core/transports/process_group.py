@@ -189,16 +189,6 @@ class PGGroup:
         self.calls += 1
         return self._connected()._allgather_base(out, tensor)
 
-    def issue_reduce_scatter(self, out: Any, tensor: Any, op: ReduceOp) -> Any:
-        """Start reducing `tensor` (one slice of `out`'s size per rank) into this rank's
-        slice `out` (AVERAGE sums, as `issue_allreduce`); returns torch's Work."""
-        import torch.distributed as dist
-
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _ops(dist)[op]
-        self.calls += 1
-        return self._connected()._reduce_scatter_base(out, tensor, opts)
-
     def issue_alltoall(self, out: Any, tensor: Any, out_splits: list[int],
                        in_splits: list[int]) -> Any:
         """Start sending `in_splits[r]` elements of `tensor` to rank r and receiving
