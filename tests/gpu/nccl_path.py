@@ -116,7 +116,8 @@ async def check_gather_scatter(c: asynclock.Coordinator, dev: torch.device) -> N
     out, got_splits = await c.alltoall(send.to(dev), splits)
     want = torch.cat([torch.full((q + r, 2), 100 * q + r, dtype=torch.int64) for q in range(n)])
     assert got_splits == [q + r for q in range(n)] and torch.equal(out.cpu(), want), out
-    moved = len(dtypes) + 2 * len(scattered) + 1  # allgathers, reduce-scatters, the alltoall
+    # allgathers, reduce-scatters, and the alltoall where it moves anything (1 rank: no)
+    moved = len(dtypes) + 2 * len(scattered) + (1 if n > 1 else 0)
     if n > 1:
         other = torch.float32 if r else torch.float64
         try:

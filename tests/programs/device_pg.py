@@ -111,7 +111,7 @@ async def check_gather_errors(c: asynclock.Coordinator) -> None:
         assert "float32" in str(exc) and "float64" in str(exc), exc
     else:
         raise AssertionError("an allgather of two dtypes went through")
-    splits = [N] * c.size if c.rank == 0 else None  # rank 0's do not add up
+    splits = [N + 1] + [N] * (c.size - 1) if c.rank == 0 else None  # rank 0's do not add up
     try:
         await c.alltoall(torch.ones(N * c.size), splits)
     except (InvalidInputError, RemoteInputError) as exc:
