@@ -48,3 +48,16 @@ def test_dropin_and_reset_through_the_twin(kind: str, nranks: int) -> None:
     aborted, the new world's made on a new store and exact."""
     job = run_job("device_pg.py", nranks, "--hvd", timeout=120, env=TWIN, kind=kind)
     assert_labels(job, nranks, "hvd_calls", "reset", "done")
+
+
+@pytest.mark.parametrize("kind, nranks", [(k, n) for k in (DEFAULT_KIND, *OTHER_KINDS)
+                                          for n in (2, 3)])
+def test_join_through_the_twin(kind: str, nranks: int) -> None:
+    """Ranks join early (`join()`, `hvd.join()`, a DistributedOptimizer's uneven steps)
+    while the others reduce through the group: a joined rank's stand-ins take the
+    live ranks' transport, as the header says; a call whose ranks chose different
+    transports is refused on every rank."""
+    job = run_job("device_pg.py", nranks, "--join", timeout=90, env=TWIN, kind=kind)
+    assert_labels(job, nranks, "join", "hvd_join", "hvd_join_optimizer", "done")
+    if nranks > 1:
+        assert_labels(job, nranks, "path_mismatch")

@@ -9,14 +9,21 @@ that a mismatch or a bad argument is still refused by the header round on every 
 that a cancelled caller leaves the ranks in step, and that a process set's channel has
 a group of its own. `--hvd`: the drop-in's calls (broadcast_parameters and
 broadcast_optimizer_state too) through the same group, then a reset as an elastic one
-makes it: the old group aborted, a new one made and exact.
+makes it: the old group aborted (rank 0's store no longer listening), a new one made
+and exact. `--join`: ranks with less data join early (`join()`, `hvd.join()`, and a
+DistributedOptimizer's uneven steps) while the others keep reducing through the group:
+a joined rank's stand-ins go through the group too.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Any
+
+if "--join" in sys.argv:
+    os.environ["ASYNCLOCK_SHM"] = "0"  # gradient buckets through the group, not a window
 
 import anyio
 import torch
@@ -24,6 +31,7 @@ from _common import report, run
 
 import asynclock
 from asynclock import InvalidInputError, MismatchError, RemoteInputError, cuda
+from asynclock._core.engine.device_pg import group_of
 
 N = 70_000  # past the header's inline payload and the small-call sizes alike
 
@@ -166,7 +174,7 @@ async def check_process_set(c: asynclock.Coordinator) -> None:
 
 
 def user_group(c: asynclock.Coordinator) -> Any:
-    group = c.engine.lanes[0].transport.device_group
+    group = c.lowlevel.engine.lanes[0].transport.device_group
     assert group is not None and group.backend == "gloo", group
     return group
 
@@ -204,6 +212,104 @@ def hvd_calls(hvd: Any, c: asynclock.Coordinator) -> None:
     report(r, "hvd_calls")
 
 
+def steps_of(rank: int) -> int:
+    return 2 + rank  # rank 0 joins first, the last rank last
+
+
+async def check_join(c: asynclock.Coordinator) -> None:
+    """Rank r runs 2 + r steps of allreduces through the group, then joins: every
+    rank, joined or not, takes part in every round through the group, and the
+    results are the live ranks' (an average divides by the full size)."""
+    before = group_calls(c)
+    r, n = c.rank, c.size
+    for step in range(steps_of(r)):
+        live = [q + 1.0 + step for q in range(n) if step < steps_of(q)]
+        x = float(r + 1 + step)
+        got = await c.allreduce(torch.full((N,), x), asynclock.Sum)
+        assert torch.equal(got, torch.full((N,), sum(live))), (step, got[:3])
+        got = await c.allreduce(torch.full((N, 2), x), asynclock.Average)
+        assert torch.allclose(got, torch.full((N, 2), sum(live) / n)), (step, got[0])
+        ints = torch.full((N,), int(x), dtype=torch.int64)
+        await c.allreduce_(ints, asynclock.Min)
+        assert torch.equal(ints, torch.full((N,), int(min(live)), dtype=torch.int64)), ints[:2]
+        await c.barrier()
+    last = await c.join()
+    assert last == n - 1, (r, last)
+    rounds = 3 * steps_of(n - 1)  # the last rank's steps: every rank is in each of them
+    assert group_calls(c) - before == rounds, (r, group_calls(c) - before, rounds)
+    got = await c.allreduce(torch.ones(N))  # every rank back in step
+    assert torch.equal(got, torch.full((N,), float(n))), got[:3]
+    report(r, "join")
+
+
+async def check_path_mismatch(c: asynclock.Coordinator) -> None:
+    """Rank 0's numpy array goes over MPI, the others' tensors through the group: the
+    header round refuses the call on every rank instead of each waiting on its own
+    transport."""
+    import numpy as np
+
+    data: Any = np.ones(N, np.float32) if c.rank == 0 else torch.ones(N)
+    try:
+        await c.allreduce(data)
+    except MismatchError as exc:
+        assert "via process group" in str(exc), exc
+    else:
+        raise AssertionError("an allreduce over two transports went through")
+    got = await c.allreduce(torch.ones(N))
+    assert torch.equal(got, torch.full((N,), float(c.size))), got[:3]
+    report(c.rank, "path_mismatch")
+
+
+async def join_async() -> None:
+    async with asynclock.start() as c:
+        await check_join(c)
+        if c.size > 1:
+            await check_path_mismatch(c)
+
+
+def hvd_join() -> None:
+    """Horovod's join test, through the group (others average, the first rank joined),
+    then a DistributedOptimizer whose ranks run different step counts, its buckets
+    through the group."""
+    import asynclock.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    group = user_group(hvd_coordinator())
+    before = group.calls
+    a = torch.arange(float(N)) + 1
+    if rank == 0:
+        last = hvd.join()
+    else:
+        got = hvd.synchronize(hvd.allreduce_async(a, name="tensor_a"))
+        assert torch.allclose(got, a * (size - 1) / size), got[:3]
+        last = hvd.join()
+    assert last == size - 1 and group.calls - before == 1, (last, group.calls - before)
+    report(rank, "hvd_join")
+    model = torch.nn.Linear(200, 100, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    steps = [steps_of(q) for q in range(size)]
+    for step in range(steps[rank]):
+        opt.zero_grad()
+        model(torch.full((1, 200), float(rank + 1 + step))).sum().backward()
+        opt.step()
+        want = sum(q + 1.0 + step for q in range(size) if step < steps[q]) / size
+        assert torch.allclose(model.weight.grad, torch.full((100, 200), want)), (step, want)
+    assert hvd.join() == size - 1
+    assert group_of(opt._reducer.grad_lane) is not None, "the buckets went over MPI"
+    report(rank, "hvd_join_optimizer")
+    hvd.shutdown()
+    report(rank, "done")
+
+
+def hvd_coordinator() -> asynclock.Coordinator:
+    from asynclock._core.runtime import coordinator as runtime
+
+    return runtime.coordinator()
+
+
 def hvd_main() -> None:
     """The drop-in, then a reset as Horovod's elastic launcher makes one (`reform`):
     the old group is aborted, the new world makes a new one on a new store."""
@@ -215,16 +321,25 @@ def hvd_main() -> None:
     old = runtime.coordinator()
     hvd_calls(hvd, old)
     group = user_group(old)
-    pg = group.pg
-    assert pg is not None
+    assert group.pg is not None
+    where = (group.store.store.host, group.store.store.port)
     os.environ["HOROVOD_ELASTIC"] = "1"  # what reform() asks of the launcher
     new = reform()
     assert group.pg is None, "the old world's group was not aborted"
+    assert group.store.store is None, "the old world's store was not closed"
+    if old.rank == 0 and where != (user_group(new).store.store.host,
+                                   user_group(new).store.store.port):
+        try:
+            socket.create_connection(where, timeout=5).close()
+        except ConnectionRefusedError:
+            pass
+        else:
+            raise AssertionError(f"the old world's store still listens on {where}")
     fresh = user_group(new)
     assert fresh is not group and fresh.store is not group.store and fresh.pg is None
     got = hvd.allreduce(torch.ones(N), op=hvd.Sum)
     assert torch.equal(got, torch.full((N,), float(new.size))), got[:4]
-    assert fresh.calls == 1 and fresh.pg is not None and fresh.pg is not pg, fresh.calls
+    assert fresh.calls == 1 and fresh.pg is not None and group.pg is None, fresh.calls
     report(new.rank, "reset")
     hvd.shutdown()
     report(new.rank, "done")
@@ -249,7 +364,10 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--hvd" in sys.argv:
+    if "--join" in sys.argv:
+        run(join_async)
+        hvd_join()
+    elif "--hvd" in sys.argv:
         hvd_main()
     else:
         run(describe_only if "--describe" in sys.argv else main)

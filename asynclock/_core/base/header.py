@@ -51,14 +51,20 @@ MAGIC = 0x41534C4B0001  # "ASLK" + format version
 # W_ROOT flag of an allreduce or barrier that a joined rank cannot stand in for
 EVERY_RANK = 1
 STAND_IN = frozenset({Kind.ALLREDUCE, Kind.BARRIER})
+# W_ROOT flag (above any root): the call's data goes through the channel's process
+# group (`engine.device_pg`), not MPI. Matched, so ranks that chose different
+# transports fail alike instead of each waiting on its own; a joined rank reads it
+# to stand in on the live ranks' transport.
+PROCESS_GROUP = 1 << 32
+ROOT_MASK = PROCESS_GROUP - 1
 
 _COMMON = (W_MAGIC, W_SEQ, W_KIND, W_NAME)
 _MATCH: dict[Kind, tuple[int, ...]] = {
-    Kind.ALLREDUCE: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLREDUCE: _COMMON + (W_OP, W_DTYPE, W_ROOT, W_DIM0, W_NDIM, W_TAIL),
     Kind.BROADCAST: _COMMON + (W_DTYPE, W_ROOT, W_DIM0, W_NDIM, W_TAIL),
-    Kind.ALLGATHER: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
-    Kind.REDUCE_SCATTER: _COMMON + (W_OP, W_DTYPE, W_DIM0, W_NDIM, W_TAIL),
-    Kind.ALLTOALL: _COMMON + (W_DTYPE, W_NDIM, W_TAIL),
+    Kind.ALLGATHER: _COMMON + (W_DTYPE, W_ROOT, W_NDIM, W_TAIL),
+    Kind.REDUCE_SCATTER: _COMMON + (W_OP, W_DTYPE, W_ROOT, W_DIM0, W_NDIM, W_TAIL),
+    Kind.ALLTOALL: _COMMON + (W_DTYPE, W_ROOT, W_NDIM, W_TAIL),
     Kind.BARRIER: _COMMON,
     Kind.BROADCAST_OBJECT: _COMMON + (W_ROOT,),
     Kind.ALLGATHER_OBJECT: _COMMON,
@@ -198,6 +204,8 @@ def mismatch_text(rows: np.ndarray[Any, Any]) -> str:
 
 
 _OP_CODES = frozenset(int(op) for op in ReduceOp)
+_DATA_KINDS = frozenset({Kind.ALLREDUCE, Kind.BROADCAST, Kind.ALLGATHER, Kind.REDUCE_SCATTER,
+                         Kind.ALLTOALL})
 
 
 def _ranks(rs: list[int]) -> str:
@@ -214,9 +222,11 @@ def describe_row(row: np.ndarray[Any, Any]) -> str:
         op = int(row[W_OP])  # 0 in the header of a rank that rejected its op
         text += f"({ReduceOp(op).name.lower() if op in _OP_CODES else '?'})"
     if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
-        text += f"(root={int(row[W_ROOT])})"
+        text += f"(root={int(row[W_ROOT]) & ROOT_MASK})"
     if int(row[W_DTYPE]):
         text += f" {DTYPE_NAMES[int(row[W_DTYPE])]}{_shape_text(row)}"
+    if kind in _DATA_KINDS and int(row[W_ROOT]) & PROCESS_GROUP:
+        text += " via process group"
     elif kind is Kind.MAKE and int(row[W_NDIM]):
         text += f" for ranks {_shape_text(row)}"
     name = label(row)

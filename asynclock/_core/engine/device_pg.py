@@ -22,6 +22,10 @@ cancelled caller leaves the operation to the engine. Only the data stage differs
   that is only moved (broadcast, allgather, alltoall) travels as bytes, so every dtype
   goes; reductions take the dtypes both NCCL and gloo reduce (`PG_REDUCE_CODES`).
 
+The choice is per call and rank (a CUDA tensor above the inline size), so the header
+says it (`header.PROCESS_GROUP`): ranks that chose different transports fail the call
+alike, and a joined rank stands in on the live ranks' transport (`stand_in`).
+
 `ASYNCLOCK_CUDA_PATH=gloo-twin` runs this same code on CPU tensors with a gloo
 group: the CPU twin that CI runs where there is no GPU.
 """
@@ -34,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ..base.header import INLINE_BYTES, W_DIM0, W_NBYTES
-from ..base.ops import DTYPE_CODES, FLOAT_CODES, NUMPY_OF_CODE, ReduceOp
+from ..base.header import INLINE_BYTES, PROCESS_GROUP, W_DIM0, W_NBYTES, Call
+from ..base.ops import BFLOAT16, DTYPE_CODES, DTYPE_NAMES, FLOAT_CODES, NUMPY_OF_CODE, ReduceOp
 from ..base.tensors import Buffer
 from ..device.events import record
 from ..transports.process_group import PGGroup, PGRequest
@@ -100,8 +104,28 @@ class _DeviceWrap:
 
 
 def make_pg(op: Operation) -> None:
-    """Turn a built host operation into its process-group twin."""
+    """Turn a built host operation into its process-group twin (before its header
+    round: the header says where its data goes)."""
     op.__class__ = _TWINS[type(op)]
+    _say_process_group(op)
+
+
+def _say_process_group(op: Operation) -> None:
+    op.call = op.call._replace(root=op.call.root | PROCESS_GROUP)
+
+
+def stand_in(lane: Lane, call: Call, identity: np.ndarray[Any, Any], op: ReduceOp
+             ) -> AllreduceOp:
+    """A joined rank's part in the live ranks' allreduce through the lane's group:
+    `identity` as a tensor where the group reduces (the rank's GPU for NCCL, the CPU
+    for gloo), reduced in place."""
+    torch = sys.modules["torch"]
+    bits = identity.view(np.int16) if call.dtype == BFLOAT16 else identity
+    tensor = torch.from_numpy(bits).view(getattr(torch, DTYPE_NAMES[call.dtype]))
+    if _group_of_lane(lane).backend == "nccl":
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    buf = device_buffer(tensor)
+    return PGAllreduceOp(lane, call, buf, buf.array, op)
 
 
 def _tensor(op: Any) -> Any:
@@ -291,8 +315,12 @@ class PGAlltoallOp(AlltoallOp):
 
 
 def _group(op: Operation) -> PGGroup:
-    group = group_of(op.lane)
-    assert group is not None
+    return _group_of_lane(op.lane)
+
+
+def _group_of_lane(lane: Lane) -> PGGroup:
+    group = group_of(lane)
+    assert group is not None  # the device path is agreed: every rank of the lane has one
     return group
 
 
@@ -317,3 +345,4 @@ def pg_class(cls: type) -> type:
 def make_pg_bucket(op: Operation) -> None:
     """A gradient bucket's allreduce, on the lane's process group."""
     op.__class__ = pg_class(type(op))
+    _say_process_group(op)

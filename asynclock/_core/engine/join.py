@@ -12,7 +12,9 @@ header-level role: on each of the coordinator's lanes a joined rank posts
 * the others call an allreduce: joined ranks contribute the op's identity
   (zeros for sum and average, so an average still divides by the full size,
   as in Horovod; +inf/max for min, -inf/min for max, 1 for product), through
-  the same data stages a participant would run (`AllreduceOp.plan`);
+  the same data stages a participant would run (`AllreduceOp.plan`), on the
+  transport the live ranks' headers name (MPI, or the channel's process group:
+  `device_pg.stand_in`);
 * a barrier: the header round is the barrier;
 * anything else raises `JoinedError` on every rank, and the joined ranks go
   on serving (Horovod refuses broadcast, allgather and alltoall likewise).
@@ -26,12 +28,24 @@ import anyio
 import numpy as np
 
 from ..base.errors import JoinedError, MismatchError, RemoteInputError
-from ..base.header import INLINE_BYTES, W_DTYPE, W_KIND, W_NAME, W_NBYTES, W_OP, W_SEQ, Call
+from ..base.header import (
+    INLINE_BYTES,
+    PROCESS_GROUP,
+    W_DTYPE,
+    W_KIND,
+    W_NAME,
+    W_NBYTES,
+    W_OP,
+    W_ROOT,
+    W_SEQ,
+    Call,
+)
 from ..base.ops import FLOAT_CODES, HALF_CODES, NUMPY_OF_CODE, Kind, ReduceOp
 from ..base.reduce import from_compute
 from ..base.tensors import Buffer
 from . import staging
 from .collective_ops import AllreduceOp
+from .device_pg import stand_in
 from .handle import Handle
 from .operation import Lane, Operation, Stage
 from .progress import Engine
@@ -95,10 +109,13 @@ class JoinOp(Operation):
         data = identity(code, op, n)
         call = Call(Kind.ALLREDUCE, int(first[W_SEQ]), op=int(op), dtype=code, shape=(n,),
                     nbytes=data.nbytes, name=JOIN_NAME)
-        stand_in = AllreduceOp(self.lane, call, Buffer(data, code, (n,), _same), data, op)
-        stand_in.joined, self.stand_in = self.joined, stand_in
-        stages = stand_in.plan(rows, payload)
-        self.stage_bytes = stand_in.stage_bytes
+        if int(first[W_ROOT]) & PROCESS_GROUP:  # the live ranks' data goes through the group
+            ours = stand_in(self.lane, call, data, op)
+        else:
+            ours = AllreduceOp(self.lane, call, Buffer(data, code, (n,), _same), data, op)
+        ours.joined, self.stand_in = self.joined, ours
+        stages = ours.plan(rows, payload)
+        self.stage_bytes = ours.stage_bytes
         return stages
 
     def finish(self) -> tuple[int, ...] | None:

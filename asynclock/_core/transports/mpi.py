@@ -295,6 +295,10 @@ class MPIBackend:
         for ch in self._channels:
             ch.close()
         self._channels.clear()
+        for store in (self._gloo, self._device):  # their groups are aborted: stop serving
+            if store is not None:
+                store.close()
+        self._gloo = self._device = None
         for comm in (self.watchdog_comm, self._cross, self._node, self.world):
             comm.Free()
 
@@ -358,6 +362,8 @@ class BulkChannel:
     def close(self) -> None:
         if self.window is not None:
             self.window.close()
+        if self.gloo is not None:  # its connections end with the channel
+            self.gloo.group.abort()
 
     half_codes = HALF_CODES  # summed 16-bit on the wire, by `iallreduce_half`
 

@@ -8,7 +8,8 @@ allreduces across hosts over gloo (`gloo_bulk`), and CUDA tensors over NCCL
   are given (loopback within a node), reached by every rank; made
   collectively over MPI and agreed: if any rank cannot, no rank uses it;
 - **trust**: the store is bound as narrowly as the job allows (network trust
-  rules: docs/guide/security.md) and lives as long as the process;
+  rules: docs/guide/security.md) and lives as long as the backend: its shutdown
+  (an elastic reset too) closes it, and rank 0 stops listening;
 - **groups**: one per channel and backend, under a prefix of the store, so
   a program's own `init_process_group` and default group are never touched;
   connected lazily on the first call, which every rank makes in the order
@@ -71,13 +72,10 @@ def agreed(comm: Any, ok: bool) -> bool:
     return bool(comm.allreduce(int(ok), op=MPI.MIN))
 
 
-_SERVER: list[Any] = []  # rank 0's listening store lives as long as the process
-
-
-def serve(size: int, spans: bool) -> tuple[str, int] | None:
+def serve(size: int, spans: bool) -> tuple[tuple[str, int], Any] | None:
     """Rank 0: listen on the one address the other ranks are given (loopback within a
-    node, the host's address across hosts). torch's store would listen on every
-    interface, so it gets a socket already bound to that address."""
+    node, the host's address across hosts); the address and the serving store. torch's
+    store would listen on every interface, so it gets a socket already bound there."""
     import torch.distributed as dist
 
     try:
@@ -91,16 +89,13 @@ def serve(size: int, spans: bool) -> tuple[str, int] | None:
                               master_listen_fd=listener.detach())
     except (OSError, RuntimeError):
         return None
-    _SERVER.append(store)
-    return addr, port
+    return (addr, port), store
 
 
 def reach(comm: Any, where: tuple[str, int] | None) -> Any:
-    """Every rank's client of rank 0's store (rank 0 uses the server), or None."""
+    """A client of rank 0's store at `where`, or None."""
     if where is None:
         return None
-    if comm.Get_rank() == 0:
-        return _SERVER[-1]
     import torch.distributed as dist
 
     try:
@@ -120,11 +115,17 @@ class PGStore:
     def open(comm: Any, spans: bool) -> tuple[Any, str]:
         """Collective over `comm`: a store every rank reached (or None on all), and why
         not. The caller has agreed that every rank wants one."""
-        where = serve(comm.Get_size(), spans) if comm.Get_rank() == 0 else None
-        store = reach(comm, comm.bcast(where, root=0))
+        served = serve(comm.Get_size(), spans) if comm.Get_rank() == 0 else None
+        where = comm.bcast(served[0] if served is not None else None, root=0)
+        store = served[1] if served is not None else reach(comm, where)
         if not agreed(comm, store is not None):
             return None, "a rank could not reach rank 0's store"
         return store, ""
+
+    def close(self) -> None:
+        """Let go of the store (the backend's shutdown, an elastic reset, once its
+        groups are aborted): rank 0 stops listening, the others disconnect."""
+        self.store = None
 
     def group(self, name: str, backend: str) -> PGGroup:
         """A channel's group (every rank makes channels in the same order, so the
