@@ -122,9 +122,7 @@ def stand_in(lane: Lane, call: Call, identity: np.ndarray[Any, Any], op: ReduceO
     torch = sys.modules["torch"]
     bits = identity.view(np.int16) if call.dtype == BFLOAT16 else identity
     tensor = torch.from_numpy(bits).view(getattr(torch, DTYPE_NAMES[call.dtype]))
-    if _group_of_lane(lane).backend == "nccl":
-        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-    buf = device_buffer(tensor)
+    buf = device_buffer(tensor.to(_group_of_lane(lane).device()))
     return PGAllreduceOp(lane, call, buf, buf.array, op)
 
 

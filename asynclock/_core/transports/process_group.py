@@ -165,6 +165,15 @@ class PGGroup:
                 self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, opts)
         return self.pg
 
+    def device(self) -> Any:
+        """Where this rank's tensors for the group live when it makes its own (a joined
+        rank's stand-in): its current GPU for NCCL, the CPU for gloo."""
+        import torch
+
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def issue_allreduce(self, tensor: Any, op: ReduceOp) -> Any:
         """Start reducing `tensor` in place (AVERAGE sums: the caller scales on its
         stream, as gloo has no average); returns torch's Work."""
