@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from asynclock._core.base.errors import MismatchError, RemoteInputError
-from asynclock._core.base.header import SLOT_WORDS, WORDS, Call, check, label, pack
+from asynclock._core.base.header import (
+    PROCESS_GROUP,
+    SLOT_WORDS,
+    WORDS,
+    Call,
+    check,
+    label,
+    pack,
+)
 from asynclock._core.base.ops import DTYPE_CODES, Kind, ReduceOp, as_reduce_op
 from asynclock._core.base.reduce import finish_average_inplace, fold, from_compute, to_compute
 from asynclock._core.base.tensors import InputFault, InputRejected, as_buffer
@@ -42,6 +50,23 @@ def test_allgather_allows_different_dim0_only() -> None:
     check(_rows(a, Call(Kind.ALLGATHER, 1, dtype=2, shape=(9, 5))), Kind.ALLGATHER)
     with pytest.raises(MismatchError):
         check(_rows(a, Call(Kind.ALLGATHER, 1, dtype=2, shape=(4, 6))), Kind.ALLGATHER)
+
+
+@pytest.mark.parametrize("kind", [Kind.ALLREDUCE, Kind.BROADCAST, Kind.ALLGATHER,
+                                  Kind.REDUCE_SCATTER, Kind.ALLTOALL])
+def test_ranks_on_different_transports_mismatch(kind: Kind) -> None:
+    """One rank's data through the process group, another's over MPI: refused alike
+    (each would wait on its own transport); the broadcast's root reads unflagged."""
+    root = 1 if kind is Kind.BROADCAST else 0
+    mpi = Call(kind, 2, op=1, dtype=2, root=root, shape=(70_000,), nbytes=280_000)
+    group = mpi._replace(root=root | PROCESS_GROUP)
+    check(_rows(group, group), kind)
+    with pytest.raises(MismatchError) as err:
+        check(_rows(group, mpi), kind)
+    assert "float32[70000] via process group" in str(err.value), err.value
+    assert "rank 1: #2 " in str(err.value) and "via" not in str(err.value).split("rank 1:")[1]
+    if kind is Kind.BROADCAST:
+        assert "(root=1) float32" in str(err.value), err.value
 
 
 def test_sequence_mismatch_is_detected() -> None:
