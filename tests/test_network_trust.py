@@ -523,10 +523,18 @@ def test_the_gloo_bulk_store_listens_on_the_address_it_gives_out() -> None:
     from asynclock._core.transports import process_group
 
     for spans, want in ((False, "127.0.0.1"), (True, socket.gethostbyname(socket.gethostname()))):
-        where = process_group.serve(2, spans)
-        assert where is not None and where[0] == want, where
+        served = process_group.serve(2, spans)
+        assert served is not None, spans
+        (addr, port), store = served
+        assert addr == want, addr
         want_hex = socket.inet_aton(want)[::-1].hex().upper()
-        assert listening(where[1]) == [want_hex], (where, listening(where[1]))
+        assert listening(port) == [want_hex], (addr, port, listening(port))
+        del served, store  # closed with its last reference: nothing listens there any more
+        for _ in range(100):  # the store's own thread closes the socket
+            if not listening(port):
+                break
+            time.sleep(0.02)
+        assert listening(port) == [], (addr, port, listening(port))
 
 
 def test_the_fast_path_starts_no_mpi_where_none_is_up() -> None:
