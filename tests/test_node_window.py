@@ -27,3 +27,9 @@ def test_window_switched_off_leaves_allreduces_to_mpi() -> None:
     job = run_job("node_window.py", 2, "--off", timeout=120,
                   env={**SMALL, "ASYNCLOCK_NODE_WINDOW": "0"})
     assert_labels(job, 2, *LABELS)
+
+
+@pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
+def test_default_sizes_leave_open_mpis_mid_band_to_its_allreduce(kind: str) -> None:
+    job = run_job("window_band.py", 2, timeout=120, kind=kind)
+    assert_labels(job, 2, "band")

@@ -373,10 +373,19 @@ class Engine:
         op.awaiting_hint = False
         self._wake_now()
 
-    def _poke(self) -> None:
-        """From the wait thread: schedule a wake-up on the loop."""
+    def _poke(self, op: Operation) -> None:
+        """From the wait thread, once `op`'s stage there ended: finish it on the loop."""
         if self._call_soon is not None:
-            self._call_soon(self._wake_now)
+            self._call_soon(lambda: self._thread_finished(op))
+
+    def _thread_finished(self, op: Operation) -> None:
+        """On the loop: `op`'s last stage ended in the wait thread. Finishing it here
+        wakes its caller at once, not a loop turn later from the poller; the poller,
+        woken too, reaps it and issues what waits behind it. An op with stages left
+        is the poller's: only it issues data stages, in the lane's order."""
+        if op.threaded and op.thread_done and not op.stages and not op.done:
+            op.poll()  # a threaded stage's end: no MPI call; its errors fail the op
+        self._wake_now()
 
     def _wake_now(self) -> None:
         self._backoff.reset()

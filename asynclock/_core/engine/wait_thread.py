@@ -22,7 +22,7 @@ from .operation import Operation
 class WaitThread:
     """Waits for large data stages, off the loop (`Deferred` requests run whole here)."""
 
-    def __init__(self, poke: Callable[[], None]) -> None:
+    def __init__(self, poke: Callable[[Operation], None]) -> None:
         self._poke = poke
         self._put = self._done = 0  # each written by one thread only
         self._queue: queue.SimpleQueue[tuple[Operation, Any] | None] = queue.SimpleQueue()
@@ -49,7 +49,7 @@ class WaitThread:
             op.error = exc
         op.thread_done = True
         self._done += 1
-        self._poke()
+        self._poke(op)
 
     def stop(self) -> None:
         """End the thread; join it when idle, so no wait outlives the engine.

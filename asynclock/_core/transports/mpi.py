@@ -107,7 +107,8 @@ class MPIChannel:
     """One subsystem's private header and data communicators."""
 
     def __init__(self, world: Any, name: str, gloo: GlooStore | None = None,
-                 device: PGStore | None = None, device_backend: str | None = None) -> None:
+                 device: PGStore | None = None, device_backend: str | None = None,
+                 one_node: bool = False) -> None:
         self.name = name
         self.hdr = world.Dup()  # the compact header rounds (and Ibarrier)
         self.rows = world.Dup()  # the rows rounds, which follow in header order
@@ -122,7 +123,8 @@ class MPIChannel:
         self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
-        self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None)
+        self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None,
+                                      one_node)
         self._node_data: Any = None  # `use_node_data`
         # CUDA tensors' data stages (`engine.device_pg`): NCCL, or gloo in its CPU twin
         self.device_group: PGGroup | None = None
@@ -250,7 +252,8 @@ class MPIBackend:
             self._gloo, self.bulk_choice = GlooStore.connect(self.world, spans)
             self.device_path, self._device = choose_device_path(
                 self.world, self.local_size, spans, settings.text("ASYNCLOCK_CUDA_PATH"))
-        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend())
+        ch = MPIChannel(self.world, name, self._gloo, self._device, self._device_backend(),
+                        self.local_size == self.size)
         self._channels.append(ch)
         return ch
 
@@ -264,8 +267,8 @@ class MPIBackend:
         if not member:
             return None
         try:
-            channels = [MPIChannel(sub, name, None, self._device, self._device_backend())
-                        for name in names]
+            channels = [MPIChannel(sub, name, None, self._device, self._device_backend(),
+                                   self.local_size == self.size) for name in names]
         finally:
             sub.Free()
         self._channels.extend(channels)
@@ -303,6 +306,22 @@ class MPIBackend:
             comm.Free()
 
 
+# On one node Open MPI's own allreduce (shared-memory single copy) beats the node
+# window for mid sizes, and the window beats it below and above them (figures: the
+# benchmarks page): allreduces of [lo, hi) bytes skip the window there.
+OPEN_MPI_BAND = (2 << 20, 32 << 20)
+
+
+def _mpi_band(one_node: bool) -> tuple[int, int]:
+    """The sizes the window leaves to MPI's own allreduce: none where
+    ASYNCLOCK_WINDOW_MIN_BYTES is set, or across nodes (where the window also
+    stripes the step between nodes over every local rank)."""
+    if one_node and not settings.is_set("ASYNCLOCK_WINDOW_MIN_BYTES") and (
+            "Open MPI" in _mpi().Get_library_version()):
+        return OPEN_MPI_BAND
+    return (0, 0)
+
+
 class BulkChannel:
     """Collectives on the channel's `bulk` communicator, run and waited for in the
     engine's wait thread (see `Deferred` for why bulk data goes there, and
@@ -311,7 +330,7 @@ class BulkChannel:
     where a node holds several ranks; and `gloo_bulk` for why allreduces across
     hosts may go through gloo)."""
 
-    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None) -> None:
+    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None, one_node: bool = False) -> None:
         self.name, self.rank, self.size = chan.name, chan.rank, chan.size
         self._c = chan.bulk
         self.gloo = gloo
@@ -320,6 +339,13 @@ class BulkChannel:
         windowed = settings.flag("ASYNCLOCK_NODE_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
+        self._mpi_band = _mpi_band(one_node)
+
+    def _windowed(self, window: NodeWindow, recv: Array) -> bool:
+        """This allreduce goes through the window: agreed facts only (size, dtype, the
+        channel's layout, the MPI library, which every rank of a job shares)."""
+        lo, hi = self._mpi_band
+        return window.takes(recv) and not lo <= recv.nbytes < hi
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
@@ -329,7 +355,7 @@ class BulkChannel:
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         window = self.window
-        if window is not None and window.takes(recv):
+        if window is not None and self._windowed(window, recv):
             return Deferred(lambda: self._through_window(window, send, recv, op))
         return Deferred(lambda: self._allreduce(send, recv, op))
 
