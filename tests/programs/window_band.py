@@ -31,6 +31,7 @@ async def main() -> None:
         banded = sum(lo <= n < hi for n in SIZES) if "Open MPI" in MPI.Get_library_version() else 0
         assert windows == len(SIZES) - banded, f"{windows} window calls, {banded} banded"
         report(c.rank, "band", f"{windows} of {len(SIZES)} through the window")
+    report(c.rank, "done")
 
 
 if __name__ == "__main__":
