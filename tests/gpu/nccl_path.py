@@ -159,17 +159,24 @@ async def check_broadcasts(c: asynclock.Coordinator, dev: torch.device) -> None:
         assert group_calls(c) - before >= 4, group_calls(c) - before  # weight, bias, 2 moments
 
 
-async def check_race_gather(c: asynclock.Coordinator, dev: torch.device) -> None:
-    r, n = c.rank, c.size
+def late_filled(dev: torch.device, value: float) -> torch.Tensor:
+    """N elements of `value`, filled by a kernel still running when this returns (on
+    CPU: filled at once); the caller's stream orders after it."""
     x = torch.zeros(N, device=dev)
     if CPU:
-        x.fill_(r + 1.0)
+        x.fill_(value)
     else:
         from gpu_util import late_fill
 
         side = torch.cuda.Stream()
-        late_fill(x, r + 1.0, SLOW_MS, side)
+        late_fill(x, value, SLOW_MS, side)
         torch.cuda.current_stream().wait_stream(side)
+    return x
+
+
+async def check_race_gather(c: asynclock.Coordinator, dev: torch.device) -> None:
+    r, n = c.rank, c.size
+    x = late_filled(dev, r + 1.0)
     got = await c.allgather(x)
     doubled = got * 2
     want = torch.arange(1, n + 1).repeat_interleave(N).float() * 2
@@ -179,15 +186,7 @@ async def check_race_gather(c: asynclock.Coordinator, dev: torch.device) -> None
 
 async def check_races(c: asynclock.Coordinator, dev: torch.device) -> None:
     r, n = c.rank, c.size
-    x = torch.zeros(N, device=dev)
-    if CPU:
-        x.fill_(r + 1.0)
-    else:
-        from gpu_util import late_fill
-
-        side = torch.cuda.Stream()
-        late_fill(x, r + 1.0, SLOW_MS, side)  # the producer is still running...
-        torch.cuda.current_stream().wait_stream(side)  # ...the caller's stream orders after it
+    x = late_filled(dev, r + 1.0)  # the producer is still running...
     await c.allreduce_(x, asynclock.Sum)  # ...when the call is made
     doubled = x * 2  # a consumer kernel right after, on the caller's stream
     want = 2.0 * sum(range(1, n + 1))
