@@ -127,6 +127,7 @@ class Intruder:
         self.address, self.rank, self.attack = address, rank, attack
         self.connected = threading.Event()  # in the listener's backlog from here on
         self.sent = threading.Event()  # its attack's bytes are in the socket's buffers
+        self.port = ""  # its own port, as the acceptor's log lines name it
         self._release = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -134,6 +135,7 @@ class Intruder:
     def _run(self) -> None:
         try:
             with socket.create_connection(self.address, timeout=30) as sock:
+                self.port = str(sock.getsockname()[1])
                 self.connected.set()
                 self.attack(sock, self.rank)
                 self.sent.set()
@@ -366,17 +368,44 @@ def test_a_real_peer_counts_by_the_hello_it_sent_with_its_connection(
         for _ in range(3):  # one after the other: their HELLOs arrive in this order
             forged.append(Intruder(address, 0, send(hello(1, 0))))
             assert forged[-1].sent.wait(10)
+        hello_sent = threading.Event()
+        monkeypatch.setattr(handshake.socket, "create_connection",
+                            _reporting_first_send(socket.create_connection, hello_sent))
+        real: dict[str, object] = {}
+        peer = threading.Thread(target=lambda: real.update(
+            sock=connect(address, key, 1, 0, Deadline(10))))
+        peer.start()
+        assert hello_sent.wait(10)  # accepted after its HELLO is in, as a real peer is
         out = _run_acceptor(acceptor, 10)
-        assert wait_until(lambda: len(acceptor._pending) == 3)
-        real = connect(address, key, 1, 0, Deadline(5))
         out["thread"].join(10)  # type: ignore[attr-defined]
+        peer.join(10)
         for client in forged:
             client.release()
     assert set(out["peers"]) == {1}, out  # type: ignore[call-overload]
     lines = _log_lines(caplog)
     assert "had shown the least of 4 handshakes pending at once" in lines[0], lines
+    assert lines[0].split(": it ")[0].endswith(forged[0].port), (lines, forged[0].port)
     assert len(lines) == 3, lines
-    real.close()
+    real["sock"].close()  # type: ignore[attr-defined]
+
+
+class _FirstSendReported:
+    """A connecting socket that sets `sent` once its first message is in its buffers."""
+
+    def __init__(self, sock: socket.socket, sent: threading.Event) -> None:
+        self._sock, self._sent = sock, sent
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.sendall(data)
+        self._sent.set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def _reporting_first_send(create: Callable[..., socket.socket],
+                          sent: threading.Event) -> Callable[..., object]:
+    return lambda *args, **kwargs: _FirstSendReported(create(*args, **kwargs), sent)
 
 
 class FlakyListener:
