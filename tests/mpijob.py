@@ -27,6 +27,17 @@ DEFAULT_KIND = mpi_select.resolve(MPI_KIND)
 OTHER_KINDS = [k for k, ok in mpi_select.available().items() if ok and k != DEFAULT_KIND]
 
 
+
+def crossed(cases: list[tuple[object, ...]], default: str = MPI_KIND) -> list[object]:
+    """pytest params (kind, *case) for every MPI and case: CI runs `default` with the
+    first case and each other MPI with the second; the other pairings run with --long."""
+    import pytest
+
+    return [pytest.param(kind, *case, marks=[] if (kind == default) == (i == 0)
+                         else [pytest.mark.slow])
+            for kind in (default, *OTHER_KINDS) for i, case in enumerate(cases)]
+
+
 _OK = re.compile(r"RANK (\d+) OK (\S+)")
 
 

@@ -11,7 +11,7 @@ from mpijob import OTHER_KINDS, assert_all_ok, horovod_status, run_job
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 4])
+@pytest.mark.parametrize("nranks", [pytest.param(1, marks=pytest.mark.slow), 2, 4])
 def test_adasum_matches_the_reference_tree(nranks: int) -> None:
     job = run_job("adasum.py", nranks, timeout=180)
     assert_all_ok(job, nranks)
@@ -34,7 +34,7 @@ def test_adasum_other_mpi(kind: str) -> None:
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_adasum_checks_pass_on_real_horovod(nranks: int) -> None:
     kind, why = horovod_status()
     if why:

@@ -9,11 +9,15 @@ import pytest
 from mpijob import DEFAULT_KIND, OTHER_KINDS, assert_labels, run_job
 
 KINDS = [DEFAULT_KIND, *OTHER_KINDS]
+# The embedded MPICH in CI (its communicator creation is where ranks out of step hung);
+# the default MPI as well with --long.
+OTHER_FIRST = [pytest.param(k, marks=[] if k != DEFAULT_KIND else [pytest.mark.slow])
+               for k in KINDS]
 # Short, so that an out-of-step make fails fast; the job's timeout names a hang.
 ENV = {"ASYNCLOCK_STRAY_S": "2"}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", OTHER_FIRST)
 def test_out_of_step_process_sets(kind: str) -> None:
     job = run_job("agreed_make.py", 3, timeout=90, env=ENV, kind=kind)
     assert_labels(job, 3, "desync", "differ", "takeover", "done")
@@ -25,7 +29,7 @@ def test_out_of_step_optimizer(kind: str) -> None:
     assert_labels(job, 3, "optimizer_desync", "optimizer_after", "done")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", OTHER_FIRST)
 def test_dropped_optimizers_release_threads_and_lanes(kind: str) -> None:
     """50 optimizers made, stepped past the re-plan (the shared-memory pipeline's thread)
     and dropped: threads and gradient lanes stay flat (windows stay mapped until MPI

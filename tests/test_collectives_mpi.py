@@ -25,7 +25,7 @@ LONG = pytest.mark.slow  # with --long: CI covers each loop and size in the othe
 
 
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), pytest.param(1, "trio", marks=LONG),
-                                          (2, "asyncio"), (2, "trio"),
+                                          (2, "asyncio"), pytest.param(2, "trio", marks=LONG),
                                           pytest.param(3, "asyncio", marks=LONG), (3, "trio"),
                                           pytest.param(4, "asyncio", marks=LONG)])
 def test_collectives_matrix(nranks: int, loop: str) -> None:
@@ -183,7 +183,7 @@ def test_process_sets_async_api(nranks: int, loop: str) -> None:
     assert job.ok_lines("async_api") == set(range(nranks)), job.explain()
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3])
+@pytest.mark.parametrize("nranks", [1, pytest.param(2, marks=LONG), 3])
 def test_process_sets_horovod_api(nranks: int) -> None:
     """hvd.ProcessSet, init(process_sets=...), add/remove, process_set= on collectives;
     root_rank stays a world rank, as in Horovod."""

@@ -386,7 +386,7 @@ def test_gate_passes_completed_events_straight_through() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_gate_order_across_ranks(nranks: int) -> None:
     """Only rank 0 holds its first op; every rank still matches headers in order."""
     job = run_job("cuda_gate.py", nranks, timeout=120)

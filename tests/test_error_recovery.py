@@ -25,11 +25,12 @@ def loops_and_sizes(in_ci: set[tuple[str, int]]) -> pytest.MarkDecorator:
 
 
 @loops_and_sizes({("asyncio", 2), ("trio", 3)})
-def test_error_trials_mpi(nranks: int, loop: str) -> None:
-    args = ["--trials", "200"] + (["--trio"] if loop == "trio" else [])
+def test_error_trials_mpi(nranks: int, loop: str, request: pytest.FixtureRequest) -> None:
+    trials = "200" if request.config.getoption("--long") else "100"
+    args = ["--trials", trials] + (["--trio"] if loop == "trio" else [])
     job = run_job("error_trials.py", nranks, *args, timeout=180, env=STRAY)
     assert_all_ok(job, nranks)
-    assert "mpi: 200 trials" in job.output, job.explain()
+    assert f"mpi: {trials} trials" in job.output, job.explain()
 
 
 @pytest.mark.parametrize("kind", OTHER_KINDS)
@@ -48,8 +49,8 @@ def test_error_trials_horovod(nranks: int, loop: str, request: pytest.FixtureReq
     kind, why = horovod_status()
     if why:
         pytest.skip(why)
-    # Each trial costs Horovod's negotiation cycle, so CI draws half as many here.
-    trials = "200" if request.config.getoption("--long") else "100"
+    # Each trial costs Horovod's negotiation cycle, so CI draws a quarter as many here.
+    trials = "200" if request.config.getoption("--long") else "50"
     args = ["--trials", trials] + (["--trio"] if loop == "trio" else [])
     job = run_job("error_trials.py", nranks, *args, timeout=180, kind=kind,
                   env={**STRAY, "ASYNCLOCK_BACKEND": "horovod"})

@@ -31,6 +31,7 @@ from mpijob import (
     ROOT,
     Job,
     assert_all_ok,
+    crossed,
     mpi_select,
     run_job,
 )
@@ -201,8 +202,7 @@ def test_killed_rank_default_launcher(kind: str, nranks: int) -> None:
     assert_no_orphans(job, nranks)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("kind, nranks", crossed([(3,), (2,)], KINDS[0]))
 def test_killed_rank_without_launcher_cleanup(kind: str, nranks: int) -> None:
     job, elapsed = timed("fault_kill.py", nranks, cleanup=False, kind=kind, env=FAST)
     want = {r: 137 if r == 1 else EXIT_RANK_FAILED for r in range(nranks)}
@@ -311,7 +311,7 @@ def test_stall_abort_stops_every_rank(nranks: int) -> None:
 
 
 # -- mismatches and cancellation ---------------------------------------------------------
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_randomized_mismatch_trials(nranks: int) -> None:
     # a name that differs by rank waits out the stray timeout (UnmatchedError)
     job, _ = timed("fault_mismatch.py", nranks, "--trials", "100", timeout=120, env=STRAY)

@@ -26,7 +26,8 @@ def test_join_stands_in_for_uneven_steps(nranks: int, loop: str) -> None:
     assert job.ok_lines("all_at_once") == set(range(nranks)), job.explain()
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+# CI: 2 ranks here and 3 on the Horovod transport below; the rest with --long.
+@pytest.mark.parametrize("nranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_join_horovod_api(nranks: int) -> None:
     """Horovod's own join test (others average, rank 0 joined: a * (size-1) / size) and a
     DistributedOptimizer whose ranks run different step counts (MPI gradient buckets)."""
@@ -38,7 +39,7 @@ def test_join_horovod_api(nranks: int) -> None:
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_join_horovod_api_on_the_horovod_backend(nranks: int) -> None:
     """The same on Horovod's transport, where checked rounds send their buckets as
     Horovod groups of handed gradients and rounds a joined rank stands in for first

@@ -194,7 +194,9 @@ def assert_launcher(job: LiveJob, rig: netrig_rig.Rig, t_cut: float) -> None:
     assert not left, f"left running in the hosts: {left}\n" + job.explain()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# The embedded MPICH in CI; the system Open MPI crosses hosts in CI in the test below.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k != DEFAULT_KIND
+                                                else [pytest.mark.slow]) for k in KINDS])
 def test_two_hosts_lock_train_brief_cut_then_cut(rig: netrig_rig.Rig, kind: str,
                                                  tmp_path: Path) -> None:
     fresh(rig, 2, kind)
@@ -226,7 +228,8 @@ def test_two_hosts_two_ranks_each_train_alike(rig: netrig_rig.Rig, kind: str) ->
     local rank across the hosts. Not under MPICH: the rig runs it with
     MPIR_CVAR_NOLOCAL=1, so its ranks see no node-mates and the buckets go over MPI."""
     fresh(rig, 2, kind)
-    argv = [sys.executable, str(PROGRAMS / "torch_grads.py")]
+    argv = [sys.executable, str(PROGRAMS / "torch_grads.py"), "--only",
+            "caps,identical,gated,sparse"]
     job = rig.start(kind, 4, argv, {"ASYNCLOCK_BACKEND": "mpi", "ASYNCLOCK_NODE_WINDOW": "1",
                                     "ASYNCLOCK_THREAD_MIN_BYTES": "64",
                                     "ASYNCLOCK_WINDOW_MIN_BYTES": "64"}, per_host=2)

@@ -733,7 +733,7 @@ def refusals(job: Job, mesh: str, rank: int) -> list[str]:
 
 @pytest.mark.mpi
 @pytest.mark.horovod
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_flood_on_a_rank_out_of_descriptors(nranks: int, tmp_path: Path) -> None:
     """200 idle connections on both meshes of rank 0, whose RLIMIT_NOFILE leaves it a
     few dozen descriptors: accept() fails with EMFILE, reported once per mesh, and
@@ -806,7 +806,7 @@ class Watch:
 
 @pytest.mark.mpi
 @pytest.mark.horovod
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_gloo_ranks_listen_only_where_their_peers_were_told(nranks: int,
                                                             tmp_path: Path) -> None:
     """From the job's start to its end, the ranks of a `horovodrun --gloo` job and the

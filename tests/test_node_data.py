@@ -6,15 +6,14 @@ what stays on MPI, and the switch that turns it off."""
 from __future__ import annotations
 
 import pytest
-from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, run_job
+from mpijob import assert_labels, crossed, run_job
 from test_collectives_mpi import need_fastpath
 
 pytestmark = pytest.mark.mpi
 LABELS = ("ops", "in_flight", "left_to_mpi", "done")
 
 
-@pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
-@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (3, "trio")])
+@pytest.mark.parametrize("kind, nranks, loop", crossed([(2, "asyncio"), (3, "trio")]))
 def test_node_data_allreduce_matches_rank_order_fold(kind: str, nranks: int, loop: str) -> None:
     need_fastpath()
     args = ["--trio"] if loop == "trio" else []

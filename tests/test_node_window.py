@@ -6,7 +6,7 @@ a process set, and the switch that turns it off."""
 from __future__ import annotations
 
 import pytest
-from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, run_job
+from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, crossed, run_job
 
 pytestmark = pytest.mark.mpi
 
@@ -15,8 +15,7 @@ SMALL = {"ASYNCLOCK_THREAD_MIN_BYTES": "4096", "ASYNCLOCK_WINDOW_MIN_BYTES": "40
 LABELS = ("ops", "cancelled", "mismatch", "process_set")
 
 
-@pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
-@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (4, "trio")])
+@pytest.mark.parametrize("kind, nranks, loop", crossed([(2, "asyncio"), (4, "trio")]))
 def test_window_allreduce_matches_rank_order_fold(kind: str, nranks: int, loop: str) -> None:
     args = ["--trio"] if loop == "trio" else []
     job = run_job("node_window.py", nranks, *args, timeout=120, kind=kind, env=SMALL)

@@ -66,6 +66,7 @@ def test_process_sets_at_4() -> None:
     assert_all_ok(job, 4)
 
 
+@pytest.mark.slow  # CI: the same program on the window at 3 ranks (test_torch_mpi)
 def test_gradients_over_the_shared_window_at_4() -> None:
     """The Horovod-style optimizer on the node's shared-memory pipeline: 20 steps
     identical on every rank, gated updates bit-identical, sparse gradients."""

@@ -21,6 +21,10 @@ import asynclock._core.sync
 pytestmark = pytest.mark.mpi
 
 LOOPS = ["asyncio", "trio"]
+# 2 ranks on asyncio and 3 on trio in CI; the other two pairs with --long.
+RANKS_LOOPS = pytest.mark.parametrize("nranks, loop", [
+    (2, "asyncio"), (3, "trio"), pytest.param(2, "trio", marks=pytest.mark.slow),
+    pytest.param(3, "asyncio", marks=pytest.mark.slow)])
 LOCK_KINDS = ["lock", "sem1", "cond"]
 CONTRACT = ["exclusion", "fifo", "nowait", "timeout", "cancel_queued", "cancel_after_grant",
             "cancel_grant_crossing"]  # "lease": caching and the grant/recall race
@@ -32,8 +36,7 @@ def _args(loop: str, workdir: Path) -> list[str]:
 
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("nranks", [2, 3])
+@RANKS_LOOPS
 def test_lock_contract(nranks: int, loop: str, tmp_path: Path) -> None:
     """Lock, Semaphore(1) and a Condition's lock: exclusion, FIFO, nowait,
     timeout, and the three cancellation paths; Semaphore(2) bounds."""
@@ -55,8 +58,7 @@ def test_lock_contract_without_leases(tmp_path: Path) -> None:
     assert job.ok_lines("lease_lock") == set(), job.explain()
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("nranks", [2, 3])
+@RANKS_LOOPS
 def test_primitives(nranks: int, loop: str, tmp_path: Path) -> None:
     """Condition notify counts / wait_for / cancel, Event, sequential order and
     cancel, consistency points and their mismatch error."""
@@ -70,8 +72,7 @@ def _primitives(nranks: int, loop: str, tmp_path: Path, kind: str) -> None:
                   "consistency_point", "consistency_mismatch")
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("nranks", [2, 3])
+@RANKS_LOOPS
 def test_unresponsive_rank_is_named(nranks: int, loop: str, tmp_path: Path) -> None:
     """A stopped rank holding a lock, homing one, or awaited: the others raise
     RankFailedError / CollectiveTimeout naming it within stall + probe."""

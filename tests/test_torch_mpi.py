@@ -44,10 +44,16 @@ def job(program: str, nranks: int, backend: str, transport: str, *args: str,
     return run_job(program, nranks, *args, timeout=180, env=env, kind=kind)
 
 
-def cases(names: str, rows: list[tuple[object, ...]]) -> pytest.MarkDecorator:
-    """Parametrize over (backend, ...) rows of the backends under test."""
-    params = [pytest.param(*row, marks=[pytest.mark.horovod] if row[0] == "horovod" else [])
-              for row in rows if row[0] in BACKENDS]
+def cases(names: str, rows: list[tuple[object, ...]],
+          long_rows: list[tuple[object, ...]] | None = None) -> pytest.MarkDecorator:
+    """Parametrize over (backend, ...) rows of the backends under test; `long_rows` run
+    with --long only."""
+    def marks(row: tuple[object, ...], long: bool) -> list[pytest.MarkDecorator]:
+        return ([pytest.mark.horovod] if row[0] == "horovod" else []) + (
+            [pytest.mark.slow] if long else [])
+    params = [pytest.param(*row, marks=marks(row, long))
+              for long, group in ((False, rows), (True, long_rows or []))
+              for row in group if row[0] in BACKENDS]
     return pytest.mark.parametrize(names, params)
 
 
@@ -55,9 +61,10 @@ def cases(names: str, rows: list[tuple[object, ...]]) -> pytest.MarkDecorator:
 
 
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
+# The Horovod transport at 3 ranks in CI, at 2 as well with --long.
 grads_cases = cases("backend, nranks, transport", [
-    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 2, "allreduce"),
-    ("horovod", 3, "allreduce")])
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 3, "allreduce")],
+    long_rows=[("horovod", 2, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
@@ -149,7 +156,7 @@ def test_mismatches_raise_same_error_on_every_rank(nranks: int, transport: str,
 # -- async API (torch_async.py) --------------------------------------------------------
 async_cases = cases("backend, nranks, loop, transport", [
     ("mpi", 2, "asyncio", "shm"), ("mpi", 3, "trio", "allreduce"),
-    ("horovod", 2, "asyncio", "allreduce"), ("horovod", 3, "trio", "allreduce")])
+    ("horovod", 3, "trio", "allreduce")], long_rows=[("horovod", 2, "asyncio", "allreduce")])
 
 
 def async_labels(nranks: int, loop: str, transport: str, backend: str, *labels: str) -> None:
@@ -209,8 +216,8 @@ def test_train_step_on_the_other_mpi(kind: str) -> None:
 
 # -- an unchanged Horovod script (torch_hvd_script.py) ---------------------------------
 @cases("backend, nranks, flags", [
-    ("mpi", 2, ()), ("mpi", 3, ("--fp16-allreduce", "--gradient-predivide-factor", "2.0")),
-    ("horovod", 2, ())])
+    ("mpi", 3, ("--fp16-allreduce", "--gradient-predivide-factor", "2.0")), ("horovod", 2, ())],
+    long_rows=[("mpi", 2, ())])
 def test_horovod_script_runs_unchanged(nranks: int, flags: tuple[str, ...], backend: str) -> None:
     j = job("torch_hvd_script.py", nranks, backend, "shm", *flags)
     assert_labels(j, nranks, "trained", "identical", "collectives", "done")
@@ -228,7 +235,8 @@ def test_shm_pipeline_on_the_other_mpi(kind: str) -> None:
 
 # -- shard_optimizer (torch_sharded.py) ------------------------------------------------
 sharded_cases = pytest.mark.parametrize("nranks, kind", [
-    (2, MPI_KIND), (3, MPI_KIND), *[(2, kind) for kind in OTHER_KINDS]])
+    pytest.param(2, MPI_KIND, marks=pytest.mark.slow), (3, MPI_KIND),
+    *[(2, kind) for kind in OTHER_KINDS]])
 
 
 def sharded(nranks: int, kind: str, *labels: str) -> None:

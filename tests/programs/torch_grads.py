@@ -8,6 +8,8 @@ with the tolerance stated in torch_common (float32 rounding only).
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 
 import torch
 from _common import report
@@ -456,23 +458,25 @@ def shm_eligible() -> bool:
     return eligible(coord, coord.lowlevel.grad_lane) and switched_on
 
 
+CHECKS: dict[str, Callable[[], None]] = {
+    "caps": check_caps, "groups": check_groups,
+    "identical": check_identical_after_20_steps, "unused": check_unused_and_frozen,
+    "handed": check_handed_on_some_ranks_only, "accumulation": check_accumulation,
+    "compression": check_compression, "predivide": check_predivide_and_sum,
+    "gated": check_gated_bit_identical, "too_many": check_too_many_passes,
+    "sparse": check_sparse_gradients}
+CHECKS_OF_TWO = {"hook_order": check_hook_order_differs, "mismatches": check_mismatches}
+
+
 def main() -> None:
+    """Every check in turn, or those named after --only (comma-separated)."""
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     torch.set_num_threads(1)
     hvd.init()
-    check_caps()
-    check_groups()
-    check_identical_after_20_steps()
-    check_unused_and_frozen()
-    check_handed_on_some_ranks_only()
-    check_accumulation()
-    check_compression()
-    check_predivide_and_sum()
-    check_gated_bit_identical()
-    check_too_many_passes()
-    check_sparse_gradients()
-    if hvd.size() > 1:
-        check_hook_order_differs()
-        check_mismatches()
+    checks = {**CHECKS, **(CHECKS_OF_TWO if hvd.size() > 1 else {})}
+    for name, check in checks.items():
+        if only is None or name in only:
+            check()
     report_node_window()
     report(hvd.rank(), "done")
     hvd.shutdown()
