@@ -4,7 +4,12 @@ Run: mpiexec -n 2 python bench/collectives.py [--json PATH] [--sizes 4,65536,...
 Every system runs in the same job on the same buffers (in place, sum), so
 the ratios compare like with like. When Horovod is importable for this MPI,
 `asynclock-hvd` is a second Coordinator on the Horovod backend in the same
-job (headers over MPI, data stages over Horovod handles). Each figure is the median of several
+job (headers over MPI, data stages over Horovod handles). Horovod starts only
+after the other systems are timed, for every size: its background thread runs a
+coordination cycle every millisecond, busy or idle, and on a 2-core machine that
+alone made raw MPI's 4 MiB allreduce several times slower. The Horovod rows
+come with `mpi4py-beside-horovod`, raw MPI timed again while Horovod runs, and
+every ratio is to raw MPI's first figure. Each figure is the median of several
 rounds; each round times a batch of back-to-back calls sized to ~0.2 s, the
 systems taking turns round by round.
 Also reports the CPU a rank burns while awaiting a barrier that the other
@@ -86,9 +91,16 @@ class Systems:
     def __init__(self, coord: asynclock.Coordinator) -> None:
         self.coord = coord
         self.gloo = _init_gloo()
+        self.hvd: Any = None
+        self.hvd_coord: asynclock.Coordinator | None = None
+
+    def start_horovod(self) -> bool:
+        """Start Horovod and a coordinator on its backend (after the other systems'
+        figures: Horovod's cycle takes CPU from everything beside it)."""
         self.hvd = _init_horovod()
-        self.hvd_coord = None if self.hvd is None else asynclock.Coordinator(
-            make_backend("horovod", WORLD))
+        if self.hvd is not None:
+            self.hvd_coord = asynclock.Coordinator(make_backend("horovod", WORLD))
+        return self.hvd is not None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -109,6 +121,7 @@ class Systems:
             self.hvd.shutdown()
 
     def make(self, nbytes: int, fresh: bool = False) -> dict[str, Callable[[], Awaitable[Any]]]:
+        """Every system; once Horovod is started, raw MPI and the two on Horovod only."""
         n = max(1, nbytes // 4)
         # Every system reduces torch-allocated memory, as training does: numpy asks
         # for huge pages on big arrays and torch does not, which alone moves a
@@ -116,8 +129,11 @@ class Systems:
         # with like.
         arr = torch.zeros(n).numpy()
         t = torch.zeros(n)
+        raw = sync_as_async(lambda: WORLD.Allreduce(MPI.IN_PLACE, arr))
+        if self.hvd is not None:
+            return self._horovod_systems(n, raw)
         out: dict[str, Callable[[], Awaitable[Any]]] = {
-            "mpi4py": sync_as_async(lambda: WORLD.Allreduce(MPI.IN_PLACE, arr)),
+            "mpi4py": raw,
             "asynclock": lambda: self.coord.allreduce_(t),
         }
         if fresh:
@@ -126,15 +142,19 @@ class Systems:
             out["asynclock-fresh"] = lambda: self.coord.allreduce_(torch.zeros(n))
             out["asynclock-fresh-average"] = lambda: self.coord.allreduce(torch.zeros(n),
                                                                           "average")
-        if self.hvd is not None:
-            hvd, ht = self.hvd, torch.zeros(n)
-            out["horovod"] = sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))
-        if self.hvd_coord is not None:
-            hc, hct = self.hvd_coord, torch.zeros(n)
-            out["asynclock-hvd"] = lambda: hc.allreduce_(hct)
         if self.gloo is not None:
             dist, gt = self.gloo, torch.zeros(n)
             out["torch-gloo"] = sync_as_async(lambda: dist.all_reduce(gt))
+        return out
+
+    def _horovod_systems(self, n: int, raw: Callable[[], Awaitable[Any]]
+                         ) -> dict[str, Callable[[], Awaitable[Any]]]:
+        hvd, ht = self.hvd, torch.zeros(n)
+        out = {"mpi4py-beside-horovod": raw,
+               "horovod": sync_as_async(lambda: hvd.allreduce_(ht, op=hvd.Sum))}
+        if self.hvd_coord is not None:
+            hc, hct = self.hvd_coord, torch.zeros(n)
+            out["asynclock-hvd"] = lambda: hc.allreduce_(hct)
         return out
 
 
@@ -203,9 +223,9 @@ async def idle_cpu(coord: asynclock.Coordinator, late_s: float = 2.0) -> dict[st
 
 
 def render(rows: list[dict[str, Any]], idle: dict[str, float]) -> str:
-    lines = [f"{'bytes':>10} {'system':<14} {'median':>12} {'ratio_to_raw':>12}"]
+    lines = [f"{'bytes':>10} {'system':<22} {'median':>12} {'ratio_to_raw':>12}"]
     for r in rows:
-        lines.append(f"{r['bytes']:>10} {r['system']:<14} {_fmt(r['seconds_median']):>12} "
+        lines.append(f"{r['bytes']:>10} {r['system']:<22} {_fmt(r['seconds_median']):>12} "
                      f"{r['ratio_to_raw']:>12.2f}")
     for system, frac in idle.items():
         lines.append(f"idle barrier wait, CPU of one core: {system:<10} {frac * 100:6.1f}%")
@@ -216,22 +236,33 @@ def _fmt(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 
 
+async def _time_sizes(systems: Systems, sizes: list[int], args: argparse.Namespace,
+                      raw: dict[int, float]) -> list[dict[str, Any]]:
+    """Rows for every size; `raw` holds (and, on the first pass, gets) raw MPI's median
+    per size, which every ratio is to."""
+    rows: list[dict[str, Any]] = []
+    for nbytes in sizes:
+        medians = await time_systems(systems.make(nbytes, args.fresh), args)
+        base = raw.setdefault(nbytes, medians.get("mpi4py", 0.0))
+        rows += [{"system": k, "bytes": nbytes, "seconds_median": v,
+                  "ratio_to_raw": v / base, "link": args.link} for k, v in medians.items()]
+    return rows
+
+
 async def main() -> None:
     args = parse()
     torch.set_num_threads(1)
     async with asynclock.start() as coord:
         systems = Systems(coord)
-        rows = []
-        async with systems.running():
-            for nbytes in (int(s) for s in args.sizes.split(",")):
-                medians = await time_systems(systems.make(nbytes, args.fresh), args)
-                raw = medians["mpi4py"]
-                rows += [{"system": k, "bytes": nbytes, "seconds_median": v,
-                          "ratio_to_raw": v / raw, "link": args.link}
-                         for k, v in medians.items()]
+        sizes = [int(s) for s in args.sizes.split(",")]
+        raw: dict[int, float] = {}
+        rows = await _time_sizes(systems, sizes, args, raw)
         idle = {} if args.skip_idle else await idle_cpu(coord)
         bulk = getattr(coord.backend, "bulk_choice", "")
         windows = getattr(coord.backend, "window_calls", lambda: 0)()
+        if systems.start_horovod():
+            async with systems.running():
+                rows += await _time_sizes(systems, sizes, args, raw)
         systems.close()
     if WORLD.rank == 0:
         print(f"# {WORLD.size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
