@@ -1,10 +1,12 @@
-"""Which large allreduces take the node window with its default sizes.
+"""Where large allreduces go on one node with the default sizes.
 
     window_band.py
 
-On one node, Open MPI's own allreduce takes the sizes of `OPEN_MPI_BAND` and the
-window the rest; under MPICH the window takes every size from its minimum. Each
-result must be the sum over ranks, and the count of window calls must match.
+Open MPI: its own allreduce, in the wait thread, takes the sizes of `OPEN_MPI_BAND`,
+the node window the rest. MPICH: below `MPICH_LOOP_HI` the allreduce stays on the
+loop (its non-blocking call, polled), no wait thread and no window; the window takes
+every size from there. Each result must be the sum over ranks, and the counts of
+window calls and of stages handed to the wait thread must match.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from _common import report, run
 from mpi4py import MPI
 
 import asynclock
-from asynclock._core.transports.mpi import OPEN_MPI_BAND
+from asynclock._core.transports.mpi import MPICH_LOOP_HI, OPEN_MPI_BAND
 
-SIZES = [1 << 20, OPEN_MPI_BAND[0], OPEN_MPI_BAND[1] - 4, OPEN_MPI_BAND[1]]
+SIZES = sorted({1 << 20, OPEN_MPI_BAND[0], MPICH_LOOP_HI - 4, MPICH_LOOP_HI,
+                OPEN_MPI_BAND[1] - 4, OPEN_MPI_BAND[1]})
+
+
+def expected(nbytes: int) -> tuple[bool, bool]:
+    """(through the window, in the wait thread) for an allreduce of `nbytes`."""
+    if "Open MPI" in MPI.Get_library_version():
+        lo, hi = OPEN_MPI_BAND
+        return not lo <= nbytes < hi, True
+    on_loop = nbytes < MPICH_LOOP_HI
+    return not on_loop, not on_loop
 
 
 async def main() -> None:
@@ -27,10 +39,14 @@ async def main() -> None:
             want = c.size * (c.size + 1) / 2
             assert bool((t == want).all()), f"{nbytes} B: {t[:4]} != {want}"
         windows = c.backend.window_calls()  # type: ignore[attr-defined]
-        lo, hi = OPEN_MPI_BAND
-        banded = sum(lo <= n < hi for n in SIZES) if "Open MPI" in MPI.Get_library_version() else 0
-        assert windows == len(SIZES) - banded, f"{windows} window calls, {banded} banded"
-        report(c.rank, "band", f"{windows} of {len(SIZES)} through the window")
+        threaded = c.statistics().thread_waits
+        want_windows = sum(expected(n)[0] for n in SIZES)
+        want_threaded = sum(expected(n)[1] for n in SIZES)
+        assert (windows, threaded) == (want_windows, want_threaded), (
+            f"{windows} window calls and {threaded} thread waits for {SIZES}, "
+            f"not {want_windows} and {want_threaded}")
+        report(c.rank, "band", f"{windows} of {len(SIZES)} through the window, "
+                               f"{threaded} in the wait thread")
     report(c.rank, "done")
 
 

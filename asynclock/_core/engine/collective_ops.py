@@ -55,6 +55,9 @@ class AllreduceOp(Operation):
         if self.buf.array.nbytes <= INLINE_BYTES:
             _inline(slot, self.buf.array)
 
+    def loop_banded(self) -> bool:
+        return self.buf.code not in HALF_CODES  # 16-bit sums stay 16-bit: the bulk ring
+
     def compact_fold(self) -> int | None:
         if self.buf.array.nbytes > INLINE_BYTES:
             return FOLD_NONE

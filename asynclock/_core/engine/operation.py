@@ -217,6 +217,11 @@ class Operation:
         # The compact round's reduced inline payload, once every rank agreed on it.
         self.reduced: np.ndarray[Any, Any] | None = None
 
+    def loop_banded(self) -> bool:
+        """Whether the channel's loop band (`Channel.loop_band`) may keep this op's
+        data stage on the loop: allreduces only."""
+        return False
+
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         """Issue the header round; must run in the caller's order."""

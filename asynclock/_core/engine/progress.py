@@ -14,7 +14,10 @@ every in-flight request. Policy (`bench/collectives.py` measures it):
   thread (`wait_thread`) with MPI's blocking calls (GIL released), which gives
   libraries that only progress inside MPI calls (Open MPI's libnbc) the
   progress they need for bandwidth; a late peer is waited for asleep first
-  (`transports.settle`); the thread wakes the poller when done.
+  (`transports.settle`); the thread wakes the poller when done. An allreduce
+  that a caller awaits stays on the loop in its channel's loop band
+  (`Channel.loop_band`: mid sizes under MPICH on one node), where the
+  non-blocking call, polled, beats the two hand-overs between threads.
 """
 
 from __future__ import annotations
@@ -258,8 +261,9 @@ class Engine:
 
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
-        bulk = self._waiters is not None and op.stage_bytes >= self.policy.thread_min_bytes
         transport = op.lane.transport
+        bulk = (self._waiters is not None and op.stage_bytes >= self.policy.thread_min_bytes
+                and not _kept_on_loop(op, transport.loop_band))
         req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
         if self.on_event is not None:
             self.on_event("data", op, time.perf_counter())
@@ -513,6 +517,12 @@ def _unmatched_by(op: Operation) -> tuple[int, ...] | None:
 
 def _sooner(timeout: float, cap: float | None) -> float:
     return timeout if cap is None else min(timeout, cap)
+
+
+def _kept_on_loop(op: Operation, band: tuple[int, int]) -> bool:
+    """An allreduce in the channel's loop band that a caller awaits with a core to poll
+    it (patient ops, a gradient bucket's, go to the wait thread: their poller sleeps)."""
+    return band[0] <= op.stage_bytes < band[1] and not op.patient and op.loop_banded()
 
 
 def _fresh(error: BaseException) -> BaseException:

@@ -52,6 +52,9 @@ class Channel(DataTransport, Protocol):
     rank: int
     size: int
     name: str
+    # Allreduces of [lo, hi) bytes that a caller awaits stay on the loop, polled, even
+    # from the wait thread's size on (`ASYNCLOCK_THREAD_MIN_BYTES`); (0, 0): none.
+    loop_band: tuple[int, int]
 
     def iallgather_slots(self, send: Array, recv: Array) -> Request: ...
 

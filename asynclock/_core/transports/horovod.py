@@ -446,6 +446,8 @@ class HorovodChannel:
                            lambda h, n: h.alltoall_async(t, splits=splits, name=n),
                            lambda out: _copy_into(_raw(recv), out[0]))
 
+    loop_band = (0, 0)  # Horovod's own thread moves its data stages
+
     def bulk_view(self) -> None:
         """None: Horovod's background thread moves bulk data; the engine's
         wait thread only sleep-polls its handle (`HorovodRequest.Wait`)."""

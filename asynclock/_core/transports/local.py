@@ -16,6 +16,7 @@ class LocalChannel:
 
     rank = 0
     size = 1
+    loop_band = (0, 0)
 
     def __init__(self, name: str) -> None:
         self.name = name

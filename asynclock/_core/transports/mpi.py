@@ -125,6 +125,7 @@ class MPIChannel:
         self.size = world.Get_size()
         self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None,
                                       one_node)
+        self.loop_band = _loop_band(one_node)
         self._node_data: Any = None  # `use_node_data`
         # CUDA tensors' data stages (`engine.device_pg`): NCCL, or gloo in its CPU twin
         self.device_group: PGGroup | None = None
@@ -310,6 +311,23 @@ class MPIBackend:
 # window for mid sizes, and the window beats it below and above them (figures: the
 # benchmarks page): allreduces of [lo, hi) bytes skip the window there.
 OPEN_MPI_BAND = (2 << 20, 32 << 20)
+
+
+# On one node MPICH's non-blocking allreduce, tested without pause by the poller of a
+# caller that awaits it, moves mid sizes faster than the wait thread's blocking call
+# with its two hand-overs between threads, and slower from 8 MiB (figures: the
+# benchmarks page): allreduces below `MPICH_LOOP_HI` stay on the loop there.
+MPICH_LOOP_HI = 8 << 20
+
+
+def _loop_band(one_node: bool) -> tuple[int, int]:
+    """The sizes of allreduce a waiting caller's poller runs on the loop, however
+    large (`Channel.loop_band`): under MPICH on one node, below `MPICH_LOOP_HI`,
+    unless ASYNCLOCK_THREAD_MIN_BYTES is set."""
+    if one_node and not settings.is_set("ASYNCLOCK_THREAD_MIN_BYTES") and (
+            "MPICH" in _mpi().Get_library_version()):
+        return (0, MPICH_LOOP_HI)
+    return (0, 0)
 
 
 def _mpi_band(one_node: bool) -> tuple[int, int]:
