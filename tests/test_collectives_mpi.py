@@ -205,5 +205,6 @@ def test_bulk_stages_on_two_lanes_in_opposite_orders_do_not_deadlock(
     """Regression: one shared wait thread blocked lanes crosswise (stall, exit 4)."""
     args = ["--trio"] if loop == "trio" else []
     job = run_job("cross_lane_bulk.py", nranks, *args, timeout=120, kind=kind,
-                  env={"ASYNCLOCK_STALL_ABORT_S": "20"})
+                  env={"ASYNCLOCK_STALL_ABORT_S": "20",  # the wait threads, not MPICH's
+                       "ASYNCLOCK_THREAD_MIN_BYTES": str(1 << 20)})  # loop band
     assert_all_ok(job, nranks)

@@ -326,9 +326,9 @@ MPICH_LOOP_HI = 8 << 20
 def _loop_band(one_node: bool) -> tuple[int, int]:
     """The sizes of allreduce a waiting caller's poller runs on the loop, however
     large (`Channel.loop_band`): under MPICH on one node, below `MPICH_LOOP_HI`,
-    unless ASYNCLOCK_THREAD_MIN_BYTES is set."""
-    if one_node and not settings.is_set("ASYNCLOCK_THREAD_MIN_BYTES") and (
-            "MPICH" in _mpi().Get_library_version()):
+    unless ASYNCLOCK_THREAD_MIN_BYTES is set or ASYNCLOCK_BULK asks for gloo."""
+    if one_node and not settings.is_set("ASYNCLOCK_THREAD_MIN_BYTES") and gloo_mode() in (
+            "auto", "mpi") and "MPICH" in _mpi().Get_library_version():
         return (0, MPICH_LOOP_HI)
     return (0, 0)
 
