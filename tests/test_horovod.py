@@ -212,7 +212,8 @@ def test_message_larger_than_the_buffer_is_an_error() -> None:
 # -- real jobs --------------------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.horovod
-@pytest.mark.parametrize("nranks, loop", [(2, "asyncio"), (3, "trio")])
+@pytest.mark.parametrize("nranks, loop", [pytest.param(2, "asyncio", marks=pytest.mark.slow),
+                                          (3, "trio")])
 def test_backend_under_mpirun(nranks: int, loop: str, tmp_path: Path) -> None:
     """Widened dtypes, Horovod errors on every rank, small ops never reach Horovod
     (checked in Horovod's own timeline, so HOROVOD_TIMELINE passes through)."""

@@ -63,7 +63,8 @@ def test_join_with_shared_memory_gradient_rounds() -> None:
     assert job.output.count("OK hvd_optimizer over shared memory") == 3, job.explain()
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["mpi-buckets", "shm-buckets"])
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["mpi-buckets", "shm-buckets"])
 def test_join_before_the_first_round_defers_the_replan(shm: bool) -> None:
     """Regression: rank 0 joins with no batch at all; the others' one-time re-plan (an
     allgather a joined rank cannot stand in for) used to fail the job; it now waits for

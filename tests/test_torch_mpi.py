@@ -63,8 +63,8 @@ def cases(names: str, rows: list[tuple[object, ...]],
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
 # The Horovod transport at 3 ranks in CI, at 2 as well with --long.
 grads_cases = cases("backend, nranks, transport", [
-    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 2, "allreduce"), ("horovod", 3, "allreduce")],
-    long_rows=[("horovod", 2, "allreduce")])
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("horovod", 3, "allreduce")],
+    long_rows=[("mpi", 2, "allreduce"), ("horovod", 2, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
