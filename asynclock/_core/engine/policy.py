@@ -54,6 +54,12 @@ class ProgressPolicy:
     # once every rank waits on such calls and each has waited this long.
     stray_s: float = 10.0
 
+    def waits_in_thread(self, nbytes: int, loop_band: tuple[int, int] = (0, 0)) -> bool:
+        """A data stage of `nbytes` goes to the lane's wait thread: from `thread_min_bytes`
+        on, except in `loop_band` (the sizes its channel keeps on the loop,
+        `Channel.loop_band`)."""
+        return nbytes >= self.thread_min_bytes and not loop_band[0] <= nbytes < loop_band[1]
+
     @classmethod
     def from_env(cls) -> ProgressPolicy:
         """The defaults, with the `ASYNCLOCK_*` variables of the environment applied.

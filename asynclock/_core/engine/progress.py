@@ -262,8 +262,8 @@ class Engine:
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
         transport = op.lane.transport
-        bulk = (self._waiters is not None and op.stage_bytes >= self.policy.thread_min_bytes
-                and not _kept_on_loop(op, transport.loop_band))
+        bulk = self._waiters is not None and self.policy.waits_in_thread(
+            op.stage_bytes, _loop_band(op, transport.loop_band))
         req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
         if self.on_event is not None:
             self.on_event("data", op, time.perf_counter())
@@ -519,10 +519,11 @@ def _sooner(timeout: float, cap: float | None) -> float:
     return timeout if cap is None else min(timeout, cap)
 
 
-def _kept_on_loop(op: Operation, band: tuple[int, int]) -> bool:
-    """An allreduce in the channel's loop band that a caller awaits with a core to poll
-    it (patient ops, a gradient bucket's, go to the wait thread: their poller sleeps)."""
-    return band[0] <= op.stage_bytes < band[1] and not op.patient and op.loop_banded()
+def _loop_band(op: Operation, band: tuple[int, int]) -> tuple[int, int]:
+    """The channel's loop band for an allreduce a caller awaits with a core to poll it;
+    none for the rest (patient ops, a gradient bucket's, go to the wait thread: their
+    poller sleeps)."""
+    return band if op.loop_banded() and not op.patient else (0, 0)
 
 
 def _fresh(error: BaseException) -> BaseException:

@@ -385,18 +385,14 @@ class SmallCalls:
         self._signatures[key] = sig
         return sig
 
-    def _bulk(self, nbytes: int) -> bool:
-        """An allreduce of this size goes to the wait thread (`Engine._issue`)."""
-        lo, hi = self._lane.transport.loop_band
-        return nbytes >= self._engine.policy.thread_min_bytes and not lo <= nbytes < hi
-
     def _allreduce_signature(self, a: Array, code: int, shape: Any, op: Any,
                              name: str | None) -> Signature | None:
         """None: not for this path (a bulk size, a 16-bit float, or an op the general
         path rejects); above INLINE_BYTES the data follows in its own allreduce."""
         staged = a.nbytes > INLINE_BYTES
-        if code == BFLOAT16 or (staged and (code in HALF_CODES or staging.cpu_twin()
-                                            or self._bulk(a.nbytes))):
+        bulk = staged and self._engine.policy.waits_in_thread(a.nbytes,
+                                                              self._lane.transport.loop_band)
+        if code == BFLOAT16 or (staged and (code in HALF_CODES or staging.cpu_twin() or bulk)):
             return None  # the twin's data goes through the device group, as CUDA data does
         try:
             rop = as_reduce_op(op)
