@@ -6,8 +6,8 @@ the ratios compare like with like. When Horovod is importable for this MPI,
 `asynclock-hvd` is a second Coordinator on the Horovod backend in the same
 job (headers over MPI, data stages over Horovod handles). Horovod starts only
 after the other systems are timed, for every size: its background thread runs a
-coordination cycle every millisecond, busy or idle, and on a 2-core machine that
-alone made raw MPI's 4 MiB allreduce several times slower. The Horovod rows
+coordination cycle every millisecond, busy or idle, which takes CPU from every
+system beside it where cores are few (figures: the benchmarks page). The Horovod rows
 come with `mpi4py-beside-horovod`, raw MPI timed again while Horovod runs, and
 every ratio is to raw MPI's first figure. Each figure is the median of several
 rounds; each round times a batch of back-to-back calls sized to ~0.2 s, the
