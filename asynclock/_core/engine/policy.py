@@ -55,9 +55,16 @@ class ProgressPolicy:
     stray_s: float = 10.0
 
     def waits_in_thread(self, nbytes: int, loop_band: tuple[int, int] = (0, 0)) -> bool:
-        """A data stage of `nbytes` goes to the lane's wait thread: from `thread_min_bytes`
-        on, except in `loop_band` (the sizes its channel keeps on the loop,
-        `Channel.loop_band`)."""
+        """Whether a data stage goes to the lane's wait thread.
+
+        Args:
+            nbytes: the stage's size in bytes.
+            loop_band: [lo, hi) sizes its channel keeps on the loop however large
+                (`Channel.loop_band`); (0, 0): none.
+
+        Returns:
+            True from `thread_min_bytes` on, outside `loop_band`.
+        """
         return nbytes >= self.thread_min_bytes and not loop_band[0] <= nbytes < loop_band[1]
 
     @classmethod
