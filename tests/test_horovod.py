@@ -328,8 +328,8 @@ def test_auto_picks_mpi_under_horovodrun_with_an_mpi_world() -> None:
 
 GLOO_TRAINING = {
     "torch_grads.py": ["caps_tiny_partitions", "caps_tiny_default", "identical_20_steps",
-                       "handed_some_ranks", "grouped_yes", "accumulate_passes",
-                       "gated_bit_identical", "mismatch_options"],
+                       "handed_some_ranks", "grouped_yes", "grouped_in_thread",
+                       "accumulate_passes", "gated_bit_identical", "mismatch_options"],
     "torch_async.py": ["basic", "loop_live_during_backward", "modes_bit_identical",
                        "cancel_during_backward"],
     "join.py": ["hvd_allreduce", "hvd_optimizer"],
@@ -343,7 +343,8 @@ def test_training_under_horovodrun_gloo(program: str) -> None:
     gradient checks (each a new DistributedOptimizer with a new gradient lane, buckets
     as Horovod groups of handed gradients), the async API, and join with uneven steps
     (joined rounds settle their buckets). Regression: a peer's first header round on
-    a new lane used to get lost (torch_grads.py hung in ~half the runs)."""
+    a new lane used to get lost (torch_grads.py hung in ~half the runs). Horovod groups
+    are waited for in the lane's wait thread, small ones too (`grouped_in_thread`)."""
     need_horovod(gloo=True)
     args = ["--hvd"] if program == "join.py" else []
     job = run_horovodrun(program, 2, *args, gloo=True, timeout=150)

@@ -184,6 +184,9 @@ class Operation:
     # Nobody waits on it with a free core to burn: no spin, no tight polling (the
     # shared-memory round's check, issued while backward still computes).
     patient = False
+    # Its data stages are waited for in the lane's wait thread whatever their size: a
+    # stage only another thread can finish (Horovod's), which the loop could only poll.
+    wait_in_thread = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
                  "awaiting_hint", "slot", "arrived", "collected", "_recv", "_send", "_words",

@@ -262,8 +262,8 @@ class Engine:
     def _issue(self, op: Operation) -> None:
         """Issue op's next data stage; big ones are waited for in a thread."""
         transport = op.lane.transport
-        bulk = self._waiters is not None and self.policy.waits_in_thread(
-            op.stage_bytes, _loop_band(op, transport.loop_band))
+        bulk = self._waiters is not None and (op.wait_in_thread or self.policy.waits_in_thread(
+            op.stage_bytes, _loop_band(op, transport.loop_band)))
         req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
         if self.on_event is not None:
             self.on_event("data", op, time.perf_counter())
