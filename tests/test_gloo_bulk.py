@@ -78,6 +78,29 @@ def test_gloo_wins_beside_compute_without_losing_much_alone(
                       gloo_cpu) is wins
 
 
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(("rows", "gloo_from"), [
+    # the rig's MPICH: MPI faster beside compute, but its blocking call spins a core
+    ([[7.2, 7.1, 11.2, 13.5, 7.2, 3.3], [29.0, 29.4, 41.0, 41.3, 29.0, 9.0]], 0),
+    # the rig's Open MPI: gloo wins outright, and MPI spins
+    ([[12.4, 7.5, 22.8, 16.0, 12.4, 4.4], [50.0, 28.5, 80.0, 62.4, 50.0, 12.0]], 0),
+    # MPI spins, but gloo alone is 2.5x slower (IPoIB against InfiniBand): MPI
+    ([[4.0, 10.0, 5.0, 11.0, 4.0, 2.0], [16.0, 40.0, 20.0, 44.0, 16.0, 8.0]], None),
+    # MPI sleeps in its call: only where gloo wins beside compute (16 MiB here)
+    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0], [40.0, 36.0, 48.0, 40.0, 8.0, 4.0]], 16 * MiB),
+    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0], [40.0, 40.0, 48.0, 47.0, 8.0, 8.0]], None),
+])
+def test_gloo_takes_every_bulk_allreduce_where_mpis_blocking_call_spins(
+        rows: list[list[float]], gloo_from: int | None) -> None:
+    """Issue 37: no wait thread spins a core. A spinning MPI call takes a core for its
+    whole length at any size, so the choice is all bulk allreduces, not a size."""
+    from asynclock._core.transports.gloo_bulk import _decide
+
+    assert _decide(rows) == gloo_from
+
+
 def test_the_probe_load_runs_beside_the_call_and_is_waited_for() -> None:
     """`beside` returns only once both the call and the load are done, and the load
     is sized from a time (so a slow call meets a proportionate load). Counted, not

@@ -19,13 +19,16 @@ Not every cluster is TCP: where MPI runs over InfiniBand, gloo (TCP over
 IPoIB) would be far slower. So `auto` measures before it chooses: the
 first channel times 4 MiB (the gradient bucket cap) and 16 MiB allreduces
 both ways (5 each after one untimed call, every rank; alone and beside a
-compute load), takes the slowest rank's figures, and uses gloo from the
-smallest size at which it beats MPI by 10% while a compute load runs beside
-the call (as gradient buckets run beside backward), or is at most 10% slower
-there with 3/4 of MPI's CPU or less, and is alone at most twice as slow (not at all
-if at none); the figures are identical on every rank, so is the choice. `ASYNCLOCK_BULK`:
-`auto` (measured, across hosts only), `measure` (measured, also within a
-node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
+compute load, and the process's CPU time alone) and takes the slowest rank's
+figures, identical on every rank, so the choice is too. Where MPI's blocking
+allreduce spins (its CPU time alone is half its wall time or more, as over TCP)
+and gloo alone is at most twice as slow, gloo takes every allreduce the wait
+thread runs: no wait thread then spins a core on a gradient bucket of any size.
+Otherwise gloo takes allreduces from the smallest size at which it beats MPI by
+10% beside the compute load, or is at most 10% slower there with 3/4 of MPI's
+CPU or less, and is alone at most twice as slow (not at all if at none).
+`ASYNCLOCK_BULK`: `auto` (measured, across hosts only), `measure` (measured,
+also within a node), `gloo` (always, e.g. to test it on one node), `mpi` (never).
 `MPIBackend.bulk_choice` says what was chosen and why.
 """
 
@@ -93,6 +96,7 @@ PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
 ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps);
 CPU_SHARE = 0.75  # or use at most 3/4 of MPI's CPU time alone...
 PROBE_TIE = 1.1  # ... while beside compute at most 10% slower
+SPIN_SHARE = 0.5  # a blocking call whose process CPU is half its wall time or more spins
 CHUNK = 128  # the probe's compute load: 128x128 matmuls, small steps to match a call's length
 
 
@@ -123,14 +127,39 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     mine = np.array([_costs(comm, group, n) for n in PROBE_SIZES])
     worst = np.empty_like(mine)
     comm.Allreduce(mine, worst, op=MPI.MAX)
-    wins = [n for n, row in zip(PROBE_SIZES, worst, strict=True) if _gloo_wins(*row)]
     figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * ga:.1f} ms (beside compute "
                         f"{1e3 * gb:.1f}, CPU {1e3 * gc:.1f}), MPI {1e3 * ma:.1f} ms (beside "
                         f"compute {1e3 * mb:.1f}, CPU {1e3 * mc:.1f})"
                         for n, (ma, ga, mb, gb, mc, gc) in zip(PROBE_SIZES, worst, strict=True))
-    if not wins:
+    min_bytes = _decide([list(map(float, row)) for row in worst])
+    if min_bytes is None:
         return None, f"mpi (allreduce {figures})"
-    return wins[0], f"gloo from {wins[0] >> 20} MiB (allreduce {figures})"
+    if min_bytes == 0:
+        return 0, f"gloo for every bulk allreduce: MPI's spins (allreduce {figures})"
+    return min_bytes, f"gloo from {min_bytes >> 20} MiB (allreduce {figures})"
+
+
+def _decide(rows: list[list[float]]) -> int | None:
+    """From the slowest rank's `_costs` at each of PROBE_SIZES: the smallest allreduce
+    gloo takes (0: every one the wait thread runs; None: none).
+
+    A wait thread in MPI's blocking allreduce that spins takes a core for the whole
+    call, whatever its size; gloo's wait sleeps in the kernel. So where MPI's call
+    spins at the bucket size and gloo alone is at most `ALONE_SLACK` times slower,
+    gloo takes every bulk allreduce. Only where gloo is far slower (TCP over
+    InfiniBand) does MPI keep its blocking call, and then only from the size at
+    which it still wins (`_gloo_wins`)."""
+    mpi_alone, gloo_alone, *_, mpi_cpu, _gloo_cpu = rows[0]
+    if _spins(mpi_alone, mpi_cpu) and gloo_alone <= ALONE_SLACK * mpi_alone:
+        return 0
+    wins = [n for n, row in zip(PROBE_SIZES, rows, strict=True) if _gloo_wins(*row)]
+    return wins[0] if wins else None
+
+
+def _spins(wall: float, cpu: float) -> bool:
+    """A call alone that keeps the process on a CPU for `SPIN_SHARE` of its time or
+    more is polling, not sleeping."""
+    return cpu >= SPIN_SHARE * wall
 
 
 def _gloo_wins(mpi_alone: float, gloo_alone: float, mpi_beside: float, gloo_beside: float,
