@@ -264,7 +264,21 @@ def _bounds(rows: list[Row], cols: list[tuple[str, str]]) -> list[str]:
             f"  {'vs best peer':18s}" + "".join(f"{_peer_ratio(rows, c, 'asynclock'):>18s}"
                                                  for c in cols),
             f"  {'bound vs peer':18s}" + "".join(f"{_peer_ratio(rows, c, 'bound-overlap'):>18s}"
-                                                  for c in cols)]
+                                                  for c in cols),
+            f"  {'cpu/step vs ddp':18s}" + "".join(f"{_cpu_ratio(rows, c):>18s}" for c in cols)]
+
+
+def _cpu_ratio(rows: list[Row], col: tuple[str, str]) -> str:
+    """The best asynclock method's CPU per step (rank 0's process, every thread) over
+    DDP's, in one column: bench/train.py's "asynclock CPU per step / DDP's" line."""
+    here = {r["method"]: r for r in rows if (r["link"], r["mpi"]) == col}
+    mine = [r for m, r in here.items() if m.startswith("asynclock")]
+    ddp = here.get("ddp", {}).get("cpu_ms_per_step")
+    if not mine or not ddp:
+        return "-"
+    best = max(mine, key=lambda r: r["samples_per_s"] or 0.0)
+    cpu = best.get("cpu_ms_per_step")
+    return "-" if not cpu else f"{cpu / ddp:.2f}x"
 
 
 # bench/train.py's PEERS, not imported: importing train.py starts MPI in this driver.

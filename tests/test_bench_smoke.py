@@ -99,3 +99,27 @@ def test_training_benchmark_bounds_are_neither_peers_nor_asynclock(tmp_path: Pat
     assert r["best_cpu_vs_ddp"] == cpu["asynclock"] / cpu["ddp"], r
     assert set(r["cpu_vs_ddp"]) == {"asynclock"}, r  # asynclock methods only, no bounds
     assert "asynclock CPU per step / DDP's: " in job.output, job.explain()
+
+
+def test_the_rig_table_prints_asynclock_cpu_per_step_over_ddps() -> None:
+    """Issue 37: the rig's table says how asynclock's CPU per step compares with DDP's,
+    for the best asynclock method of each column (not the lightest one)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))  # its `timing` module
+    spec = importlib.util.spec_from_file_location("netrig_bench", bench / "netrig.py")
+    assert spec is not None and spec.loader is not None
+    netrig = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = netrig  # its dataclasses look their module up there
+    spec.loader.exec_module(netrig)
+
+    def row(mpi: str, method: str, rate: float, cpu: float) -> dict[str, object]:
+        return {"link": "5gbit", "mpi": mpi, "model": "mlp", "method": method,
+                "samples_per_s": rate, "cpu_ms_per_step": cpu, "params": 1000, "batch": 32}
+
+    rows = [row("mpich", "ddp", 250.0, 80.0), row("mpich", "asynclock", 240.0, 60.0),
+            row("mpich", "asynclock-bucket", 260.0, 96.0), row("openmpi", "ddp", 250.0, 80.0)]
+    line = next(ln for ln in netrig.render_train(rows).splitlines() if "cpu/step vs ddp" in ln)
+    assert line.split()[-2:] == ["1.20x", "-"], line
