@@ -60,8 +60,9 @@ DECLARED: tuple[Setting, ...] = (
        "for in the lane's wait thread, on the bulk communicator. Unset, on one node under "
        "MPICH, allreduces under 8 MiB that a caller awaits stay on the loop, polled (a "
        "gradient bucket's still go to the thread).", agree=True),
-    _s("BULK", "text", "auto", "Bulk allreduces across hosts: gloo where it measures faster "
-       "(`auto`), always MPI, always gloo, or measure on one node too (`measure`).",
+    _s("BULK", "text", "auto", "Bulk allreduces across hosts: gloo where MPI's blocking call "
+       "spins or gloo measures faster (`auto`), always MPI, always gloo, or measure on one "
+       "node too (`measure`).",
        agree=True, choices=("auto", "mpi", "gloo", "measure")),
     _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
        "take.", agree=True),
