@@ -41,7 +41,7 @@ def test_auto_keeps_mpi_within_one_node() -> None:
 
 
 def test_measured_choice_is_the_same_on_every_rank() -> None:
-    bulk_job("measure", "gloo from |mpi (allreduce 4 MiB")
+    bulk_job("measure", "gloo from |gloo for every bulk allreduce: |mpi (allreduce 4 MiB")
 
 
 def test_no_rank_uses_gloo_unless_every_rank_imported_torch() -> None:
