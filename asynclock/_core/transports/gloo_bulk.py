@@ -5,8 +5,8 @@ for as long as the wire is busy, and its large-message path is slower than
 gloo's pipelined ring, whose thread sleeps in the kernel until data arrives
 (figures across two emulated hosts: the benchmarks page). So when a
 channel's ranks span hosts and the program uses torch, asynclock hands the
-channel's allreduces from a measured size on (run in the channel's wait thread)
-to a private gloo group. Everything else stays on MPI: the
+allreduces its wait thread runs (all of them where MPI's call spins, else from a
+measured size on) to a private gloo group. Everything else stays on MPI: the
 header round that checks and orders every call comes first, so gloo sees
 the calls in the same order on every rank, one at a time per channel.
 
@@ -146,9 +146,9 @@ def _decide(rows: list[list[float]]) -> int | None:
     A wait thread in MPI's blocking allreduce that spins takes a core for the whole
     call, whatever its size; gloo's wait sleeps in the kernel. So where MPI's call
     spins at the bucket size and gloo alone is at most `ALONE_SLACK` times slower,
-    gloo takes every bulk allreduce. Only where gloo is far slower (TCP over
-    InfiniBand) does MPI keep its blocking call, and then only from the size at
-    which it still wins (`_gloo_wins`)."""
+    gloo takes every bulk allreduce. Otherwise (MPI's call sleeps, or gloo is far
+    slower, as TCP over IPoIB against InfiniBand) gloo takes allreduces only from
+    the smallest probed size at which it wins (`_gloo_wins`), if any."""
     mpi_alone, gloo_alone, *_, mpi_cpu, _gloo_cpu = rows[0]
     if _spins(mpi_alone, mpi_cpu) and gloo_alone <= ALONE_SLACK * mpi_alone:
         return 0
