@@ -9,6 +9,8 @@ the measured choice across two hosts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from mpijob import MPI_KIND, OTHER_KINDS, assert_all_ok, run_job
 
@@ -83,14 +85,19 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize(("rows", "gloo_from"), [
     # the rig's MPICH: MPI faster beside compute, but its blocking call spins a core
-    ([[7.2, 7.1, 11.2, 13.5, 7.2, 3.3], [29.0, 29.4, 41.0, 41.3, 29.0, 9.0]], 0),
+    ([[7.2, 7.1, 11.2, 13.5, 7.2, 3.3, 7.2], [29.0, 29.4, 41.0, 41.3, 29.0, 9.0, 29.0]], 0),
     # the rig's Open MPI: gloo wins outright, and MPI spins
-    ([[12.4, 7.5, 22.8, 16.0, 12.4, 4.4], [50.0, 28.5, 80.0, 62.4, 50.0, 12.0]], 0),
+    ([[12.4, 7.5, 22.8, 16.0, 12.4, 4.4, 12.4], [50.0, 28.5, 80.0, 62.4, 50.0, 12.0, 50.0]], 0),
+    # the rig's MPICH on a loaded machine (CI): the spinning call gets half a core, its
+    # CPU time alone reads as sleeping, its run-queue wait shows the spin
+    ([[11.9, 14.2, 32.2, 34.4, 5.6, 5.1, 11.8], [27.5, 28.0, 138.5, 107.3, 17.8, 16.1, 27.4]],
+     0),
     # MPI spins, but gloo alone is 2.5x slower (IPoIB against InfiniBand): MPI
-    ([[4.0, 10.0, 5.0, 11.0, 4.0, 2.0], [16.0, 40.0, 20.0, 44.0, 16.0, 8.0]], None),
+    ([[4.0, 10.0, 5.0, 11.0, 4.0, 2.0, 4.0], [16.0, 40.0, 20.0, 44.0, 16.0, 8.0, 16.0]], None),
     # MPI sleeps in its call: only where gloo wins beside compute (16 MiB here)
-    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0], [40.0, 36.0, 48.0, 40.0, 8.0, 4.0]], 16 * MiB),
-    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0], [40.0, 40.0, 48.0, 47.0, 8.0, 8.0]], None),
+    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0, 2.1], [40.0, 36.0, 48.0, 40.0, 8.0, 4.0, 8.1]],
+     16 * MiB),
+    ([[10.0, 10.0, 12.0, 11.5, 2.0, 2.0, 2.1], [40.0, 40.0, 48.0, 47.0, 8.0, 8.0, 8.1]], None),
 ])
 def test_gloo_takes_every_bulk_allreduce_where_mpis_blocking_call_spins(
         rows: list[list[float]], gloo_from: int | None) -> None:
@@ -99,6 +106,44 @@ def test_gloo_takes_every_bulk_allreduce_where_mpis_blocking_call_spins(
     from asynclock._core.transports.gloo_bulk import _decide
 
     assert _decide(rows) == gloo_from
+
+
+def test_a_spin_reads_as_a_spin_on_a_loaded_machine() -> None:
+    """The probe's spin test reads the calling thread's run and run-queue time: a
+    thread polling beside twice as many busy processes as cores gets a third of a
+    core, so its CPU time alone reads as sleeping (a CI run chose MPI that way),
+    while a thread asleep in the kernel reads as asleep however loaded the machine."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from asynclock._core.transports.gloo_bulk import SPIN_SHARE, _runnable, _spins
+
+    def measured(fn: Any) -> tuple[float, float, float]:
+        t0, c0, r0 = time.perf_counter(), time.thread_time(), _runnable()
+        fn()
+        return time.perf_counter() - t0, time.thread_time() - c0, _runnable() - r0
+
+    def poll() -> None:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+
+    cores = len(os.sched_getaffinity(0))
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * cores)]
+    try:
+        time.sleep(0.3)
+        wall, cpu, runnable = measured(poll)
+        assert cpu < SPIN_SHARE * wall, "the machine was not loaded: the test shows nothing"
+        assert _spins(wall, runnable), (wall, cpu, runnable)
+        wall, cpu, runnable = measured(lambda: time.sleep(0.3))
+        assert not _spins(wall, runnable), (wall, cpu, runnable)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_probe_load_runs_beside_the_call_and_is_waited_for() -> None:

@@ -126,7 +126,7 @@ def measured_bulk_choice(job: LiveJob, n: int) -> None:
     assert len(bulks) == 1, f"ranks chose differently: {bulks}\n" + job.explain()
     bulk = bulks.pop()
     one = (r"gloo [\d.]+ ms \(beside compute [\d.]+, CPU [\d.]+\), "
-           r"MPI [\d.]+ ms \(beside compute [\d.]+, CPU [\d.]+\)")
+           r"MPI [\d.]+ ms \(beside compute [\d.]+, CPU [\d.]+, runnable [\d.]+\)")
     figures = rf"4 MiB: {one}; 16 MiB: {one}"
     m = re.match(rf"bulk (gloo for every bulk allreduce: MPI's spins|gloo from (4|16) MiB|mpi) "
                  rf"\(allreduce {figures}\)$", bulk)

@@ -96,7 +96,8 @@ PROBE_MARGIN = 0.9  # beside compute, gloo must be 10% faster...
 ALONE_SLACK = 2.0  # ... and alone at most twice as slow (a call nothing overlaps);
 CPU_SHARE = 0.75  # or use at most 3/4 of MPI's CPU time alone...
 PROBE_TIE = 1.1  # ... while beside compute at most 10% slower
-SPIN_SHARE = 0.5  # a blocking call whose process CPU is half its wall time or more spins
+SPIN_SHARE = 0.5  # a blocking call whose thread runs or waits to run for half its
+                  # wall time or more spins
 CHUNK = 128  # the probe's compute load: 128x128 matmuls, small steps to match a call's length
 
 
@@ -119,6 +120,8 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     alone (every thread of the process) shows it: MPI's spin takes a core for
     the whole call, gloo's threads a fraction of one. A path that is no faster
     beside compute but takes 3/4 of the CPU or less is chosen for that reason.
+    Whether MPI's call spins is read from its calling thread's run and run-queue
+    time (`_runnable`), which a loaded machine does not hide.
 
     Blocking, once, while the coordinator starts (like its communicator dups)."""
     from mpi4py import MPI
@@ -129,8 +132,9 @@ def _probe(comm: Any, group: GlooGroup) -> tuple[int | None, str]:
     comm.Allreduce(mine, worst, op=MPI.MAX)
     figures = "; ".join(f"{n >> 20} MiB: gloo {1e3 * ga:.1f} ms (beside compute "
                         f"{1e3 * gb:.1f}, CPU {1e3 * gc:.1f}), MPI {1e3 * ma:.1f} ms (beside "
-                        f"compute {1e3 * mb:.1f}, CPU {1e3 * mc:.1f})"
-                        for n, (ma, ga, mb, gb, mc, gc) in zip(PROBE_SIZES, worst, strict=True))
+                        f"compute {1e3 * mb:.1f}, CPU {1e3 * mc:.1f}, runnable {1e3 * mr:.1f})"
+                        for n, (ma, ga, mb, gb, mc, gc, mr)
+                        in zip(PROBE_SIZES, worst, strict=True))
     min_bytes = _decide([list(map(float, row)) for row in worst])
     if min_bytes is None:
         return None, f"mpi (allreduce {figures})"
@@ -145,21 +149,24 @@ def _decide(rows: list[list[float]]) -> int | None:
 
     A wait thread in MPI's blocking allreduce that spins takes a core for the whole
     call, whatever its size; gloo's wait sleeps in the kernel. So where MPI's call
-    spins at the bucket size and gloo alone is at most `ALONE_SLACK` times slower,
+    spins at the bucket size (its calling thread runnable, `_spins`) and gloo alone
+    is at most `ALONE_SLACK` times slower,
     gloo takes every bulk allreduce. Otherwise (MPI's call sleeps, or gloo is far
     slower, as TCP over IPoIB against InfiniBand) gloo takes allreduces only from
     the smallest probed size at which it wins (`_gloo_wins`), if any."""
-    mpi_alone, gloo_alone, *_, mpi_cpu, _gloo_cpu = rows[0]
-    if _spins(mpi_alone, mpi_cpu) and gloo_alone <= ALONE_SLACK * mpi_alone:
+    mpi_alone, gloo_alone, *_, mpi_runnable = rows[0]
+    if _spins(mpi_alone, mpi_runnable) and gloo_alone <= ALONE_SLACK * mpi_alone:
         return 0
-    wins = [n for n, row in zip(PROBE_SIZES, rows, strict=True) if _gloo_wins(*row)]
+    wins = [n for n, row in zip(PROBE_SIZES, rows, strict=True) if _gloo_wins(*row[:6])]
     return wins[0] if wins else None
 
 
-def _spins(wall: float, cpu: float) -> bool:
-    """A call alone that keeps the process on a CPU for `SPIN_SHARE` of its time or
-    more is polling, not sleeping."""
-    return cpu >= SPIN_SHARE * wall
+def _spins(wall: float, runnable: float) -> bool:
+    """A call alone whose thread is on a CPU or waiting for one for `SPIN_SHARE` of
+    its time or more is polling, not sleeping. On a loaded machine a polling thread
+    gets a share of a core, not all of it: its CPU time alone would read as sleeping,
+    its run-queue wait makes up the rest."""
+    return runnable >= SPIN_SHARE * wall
 
 
 def _gloo_wins(mpi_alone: float, gloo_alone: float, mpi_beside: float, gloo_beside: float,
@@ -184,9 +191,10 @@ def _warm(comm: Any, group: GlooGroup) -> None:
 
 def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
     """[MPI alone, gloo alone, MPI beside compute, gloo beside compute, MPI's CPU
-    alone, gloo's CPU alone]: median seconds per call (beside: until both the call
-    and the load are done; CPU: the process's, every thread). Every rank makes the
-    same calls in the same order; only the loads differ."""
+    alone, gloo's CPU alone, MPI's calling thread runnable alone]: median seconds
+    per call (beside: until both the call and the load are done; CPU: the
+    process's, every thread; runnable: `_runnable`). Every rank makes the same
+    calls in the same order; only the loads differ."""
     from mpi4py import MPI
 
     data = np.ones(nbytes // 4, np.float32)
@@ -197,21 +205,39 @@ def _costs(comm: Any, group: GlooGroup, nbytes: int) -> list[float]:
     def gloo() -> None:
         group.allreduce(data, ReduceOp.SUM)
 
-    (mpi_alone, mpi_cpu), (gloo_alone, gloo_cpu) = _medians(mpi), _medians(gloo)
+    (mpi_alone, mpi_cpu, mpi_runnable) = _medians(mpi)
+    (gloo_alone, gloo_cpu, _) = _medians(gloo)
     load = _Load(mpi_alone)
     return [mpi_alone, gloo_alone, _medians(lambda: load.beside(mpi))[0],
-            _medians(lambda: load.beside(gloo))[0], mpi_cpu, gloo_cpu]
+            _medians(lambda: load.beside(gloo))[0], mpi_cpu, gloo_cpu, mpi_runnable]
 
 
-def _medians(fn: Any) -> tuple[float, float]:
-    """Median wall and process CPU seconds of `fn()` over PROBE_REPS calls."""
-    walls, cpus = [], []
+def _medians(fn: Any) -> tuple[float, float, float]:
+    """Median wall seconds, process CPU seconds and calling-thread runnable
+    seconds (`_runnable`) of `fn()` over PROBE_REPS calls."""
+    walls, cpus, runnables = [], [], []
     for _ in range(PROBE_REPS):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, r0 = time.perf_counter(), time.process_time(), _runnable()
         fn()
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
-    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+        runnables.append(_runnable() - r0)
+    return _median(walls), _median(cpus), _median(runnables)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _runnable() -> float:
+    """Seconds the calling thread has spent on a CPU or in the run queue waiting for
+    one (Linux's schedstat); where the kernel does not say, its CPU time alone."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            on_cpu, waiting, _slices = stat.read().split()
+    except (OSError, ValueError):
+        return time.thread_time()
+    return (int(on_cpu) + int(waiting)) / 1e9
 
 
 class _Load:
