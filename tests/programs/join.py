@@ -9,6 +9,7 @@ Rank r runs `2 + r` steps, so rank 0 joins first and the last rank joins last.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import Any
@@ -226,6 +227,30 @@ def check_second_optimizer(h: Any) -> None:
     report(rank, "hvd_second_optimizer")
 
 
+def check_dropped_optimizer(h: Any) -> None:
+    """Ranks drop an optimizer when their collectors run, not together: here rank 0 has
+    dropped one and released it (the loop no longer serves its gradient lane) while the
+    others still hold theirs. A join on every rank still completes: each serves every
+    gradient lane made, dropped or not (rank 0 served only the lanes it kept, and the
+    others' join rounds on the dropped one waited for ever)."""
+    from asynclock.torch._grad.release import wait_released
+
+    rank, size = h.rank(), h.size()
+    model = torch.nn.Linear(6, 1, bias=False)
+    opt = h.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
+    lane, engine = opt._reducer.grad_lane, runtime.coordinator().lowlevel.engine
+    train_epoch(h, opt, model, [1] * size)
+    if rank == 0:
+        del opt
+        gc.collect()
+        assert wait_released(30.0) and lane not in engine.lanes, "the lane is still served"
+    assert h.join() == size - 1
+    assert h.allreduce(torch.ones(1), op=h.Sum).item() == size
+    assert (lane in engine.lanes) == (rank != 0), "join left a dropped lane served"
+    report(rank, "hvd_dropped_optimizer")
+
+
 def check_round_checks(reducer: Any, rank: int, size: int) -> None:
     """One check per round; its one bucket skips the header round while every rank
     is active, and goes header-checked (stood in for) once rank 0 has joined."""
@@ -252,6 +277,7 @@ def main_hvd() -> None:
     check_hvd_optimizer(hvd)
     if "--horovod" not in sys.argv:
         check_second_optimizer(hvd)
+        check_dropped_optimizer(hvd)
     report(hvd.rank(), "done")
     hvd.shutdown()
 

@@ -1,5 +1,5 @@
 """Optimizers made and dropped, one after another, release their threads and gradient
-lanes. Every rank prints its counts (threads, shared windows, extra lanes).
+lanes. Every rank prints its counts (threads, shared windows, lanes served).
 
     optimizer_churn.py N [--allreduce]
 
@@ -40,12 +40,12 @@ def snapshot() -> tuple[bool, tuple[int, int, int]]:
     hvd.allreduce(torch.ones(1))  # every rank has collected, and so started its releases
     released = wait_released(2.0)
     hvd.allreduce(torch.ones(1))  # lets the loop run what the finalizers handed it
-    lanes = len(runtime.coordinator().lowlevel.more_grad_lanes)
+    lanes = len(runtime.coordinator().lowlevel.engine.lanes)  # the lanes still served
     return released, (threading.active_count(), open_windows(), lanes)
 
 
 def counts() -> tuple[int, int, int]:
-    """Threads, shared windows and extra gradient lanes once every dropped optimizer is
+    """Threads, shared windows and lanes served once every dropped optimizer is
     released. A rank may collect an optimizer a pass later than its peers (the engine's
     last operation on a lane holds on to it until the lane is retired), and a window's
     free waits for the peers' frees of it, so releases may span passes: until every
@@ -71,7 +71,7 @@ def main() -> None:
     for _ in range(n):
         one_optimizer(rank)
     after = counts()
-    print(f"rank {rank}: threads, windows, extra lanes before {before} after {after} "
+    print(f"rank {rank}: threads, windows, lanes served before {before} after {after} "
           f"({sorted(t.name for t in threading.enumerate())})", flush=True)
     # shared windows stay mapped until MPI ends (freeing one waits for every peer's free)
     assert (after[0], after[2]) == (before[0], before[2]), (before, after)

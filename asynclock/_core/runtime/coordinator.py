@@ -138,7 +138,9 @@ class Coordinator(Collectives, SyncPrimitives):
             staging.use_cpu_twin()
         self._small = SmallCalls(self._engine, self._lane)
         self._grad_lane = self._new_lane("grad")
-        self._more_grad_lanes: list[Lane] = []  # one per further optimizer (join serves them)
+        # one per further optimizer, dropped ones included: every rank makes them alike,
+        # but drops them when its collector runs, so join serves every one made
+        self._more_grad_lanes: list[Lane] = []
         self._sync_lane = self._new_lane("sync")
         # collectives issued from inside a model (SyncBatchNorm), ordered by its layers
         self._model_lane = self._new_lane("model")
@@ -202,8 +204,19 @@ class Coordinator(Collectives, SyncPrimitives):
             ShutdownError: the coordinator was shut down.
         """
         self._check_open()
-        return await join_lanes(self._engine, [self._lane, self._grad_lane, self._sync_lane,
-                                               self._model_lane, *self._more_grad_lanes])
+        lanes = [self._lane, self._grad_lane, self._sync_lane, self._model_lane,
+                 *self._more_grad_lanes]
+        # A dropped optimizer's lane is no longer served here, but a peer whose
+        # collector has not run yet still serves it: both stand in on it meanwhile.
+        revived = [lane for lane in lanes if lane not in self._engine.lanes]
+        for lane in revived:
+            self._engine.add_lane(lane)
+        try:
+            return await join_lanes(self._engine, lanes)
+        finally:
+            for lane in revived:
+                if not lane.queue:
+                    self._engine.retire_lane(lane)
 
     # -- process sets (api.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:
@@ -476,7 +489,8 @@ class Lowlevel:
 
     @property
     def more_grad_lanes(self) -> list[Lane]:
-        """One lane per further gradient reducer (join serves them too)."""
+        """One lane per further gradient reducer, dropped ones included (join serves
+        every one: peers drop them at different times)."""
         return self._coord._more_grad_lanes
 
     @property

@@ -107,7 +107,7 @@ def _stop_serving(coord: Coordinator, lane: Lane) -> bool:
         log.warning("asynclock: a dropped optimizer's gradient channel still has %d "
                     "operations in flight; it is freed at shutdown", len(lane.queue))
         return False
-    if lane in coord.lowlevel.more_grad_lanes:
-        coord.lowlevel.more_grad_lanes.remove(lane)
+    # it stays in `more_grad_lanes`: a peer's collector may not have dropped its copy
+    # yet, and a join serves every lane on every rank alike
     coord.lowlevel.engine.retire_lane(lane)
     return True
