@@ -86,9 +86,15 @@ async def main() -> None:
         # probe's (4 or 16 MiB) where it measured gloo faster, e.g. on a loaded machine
         store = c.backend._gloo  # type: ignore[attr-defined]
         least = store.min_bytes if choice.startswith("gloo") and store is not None else None
-        want = 0 if least is None else sum(n >= least for n in sizes) + half
-        assert calls == want, f"{calls} gloo calls, want {want} ({choice})"
-        everyone = await c.allgather_object(choice)
+        if least == 0:
+            # every allreduce the wait thread runs: on one node (`measure`) the node
+            # window and the loop take some of these sizes before a wait thread would
+            # (`netrig` counts them exactly across hosts, where none do)
+            assert 0 < calls <= len(sizes), f"{calls} gloo calls of {len(sizes)} ({choice})"
+        else:
+            want = 0 if least is None else sum(n >= least for n in sizes) + half
+            assert calls == want, f"{calls} gloo calls, want {want} ({choice})"
+        everyone = await c.allgather_object((choice, calls))
         assert len(set(everyone)) == 1, everyone
         report(c.rank, "done", f"{choice} | gloo calls {calls}")
 
