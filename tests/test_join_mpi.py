@@ -31,13 +31,15 @@ def test_join_stands_in_for_uneven_steps(nranks: int, loop: str) -> None:
 def test_join_horovod_api(nranks: int) -> None:
     """Horovod's own join test (others average, rank 0 joined: a * (size-1) / size), a
     DistributedOptimizer whose ranks run different step counts (MPI gradient buckets),
-    and a join while one rank has dropped an optimizer the others still hold."""
+    a join while one rank has dropped an optimizer the others still hold, and an
+    optimizer dropped during a join."""
     job = run_job("join.py", nranks, "--hvd", timeout=120)
     assert_all_ok(job, nranks)
     assert job.ok_lines("hvd_allreduce") == set(range(nranks)), job.explain()
     assert job.ok_lines("hvd_optimizer") == set(range(nranks)), job.explain()
     assert job.ok_lines("hvd_second_optimizer") == set(range(nranks)), job.explain()
     assert job.ok_lines("hvd_dropped_optimizer") == set(range(nranks)), job.explain()
+    assert job.ok_lines("hvd_dropped_during_join") == set(range(nranks)), job.explain()
 
 
 @pytest.mark.horovod
@@ -63,6 +65,7 @@ def test_join_with_shared_memory_gradient_rounds() -> None:
     assert job.ok_lines("hvd_optimizer") == {0, 1, 2}, job.explain()
     assert job.ok_lines("hvd_second_optimizer") == {0, 1, 2}, job.explain()
     assert job.ok_lines("hvd_dropped_optimizer") == {0, 1, 2}, job.explain()
+    assert job.ok_lines("hvd_dropped_during_join") == {0, 1, 2}, job.explain()
     assert job.output.count("OK hvd_optimizer over shared memory") == 3, job.explain()
 
 

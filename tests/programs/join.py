@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 if "--hvd" in sys.argv and "--shm" not in sys.argv:
@@ -251,6 +252,45 @@ def check_dropped_optimizer(h: Any) -> None:
     report(rank, "hvd_dropped_optimizer")
 
 
+def check_dropped_during_join(h: Any) -> None:
+    """Rank 0's optimizer is dropped while rank 0 stands in on its lane in a join: the
+    lane is retired once that join's round there completes, not kept for the job. The
+    others join only after the drop (a file says so: rank 0 is in its join)."""
+    import tempfile
+    import threading
+    import time
+
+    from asynclock.torch._grad.release import wait_released
+
+    rank, size = h.rank(), h.size()
+    model = torch.nn.Linear(6, 1, bias=False)
+    held = [h.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())]
+    lane, engine = held[0]._reducer.grad_lane, runtime.coordinator().lowlevel.engine
+    train_epoch(h, held[0], model, [1] * size)
+    flag = Path(h.broadcast_object(tempfile.mkdtemp() if rank == 0 else None)) / "dropped"
+    if rank == 0:
+        def drop() -> None:
+            while not lane.queue:  # rank 0's join round on the lane is in flight
+                time.sleep(0.001)
+            held.clear()
+            gc.collect()
+            assert wait_released(30.0)
+            flag.touch()
+
+        dropper = threading.Thread(target=drop)
+        dropper.start()
+    else:
+        while not flag.exists():
+            time.sleep(0.01)
+    assert h.join() == size - 1
+    if rank == 0:
+        dropper.join()
+        assert lane not in engine.lanes, "a lane dropped during a join is still served"
+    h.barrier()
+    report(rank, "hvd_dropped_during_join")
+
+
 def check_round_checks(reducer: Any, rank: int, size: int) -> None:
     """One check per round; its one bucket skips the header round while every rank
     is active, and goes header-checked (stood in for) once rank 0 has joined."""
@@ -278,6 +318,7 @@ def main_hvd() -> None:
     if "--horovod" not in sys.argv:
         check_second_optimizer(hvd)
         check_dropped_optimizer(hvd)
+        check_dropped_during_join(hvd)
     report(hvd.rank(), "done")
     hvd.shutdown()
 

@@ -121,6 +121,7 @@ class Engine:
         # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
         self._fillers: dict[Lane, float] = {}  # lane -> when its filler round is due
+        self._retiring: set[Lane] = set()  # retired once nothing of theirs is in flight
         self.no_spin = False  # set around submissions nobody waits inside (`staging.LaneGate`)
 
     def add_lane(self, lane: Lane) -> Lane:
@@ -274,8 +275,19 @@ class Engine:
             self._thread_waits += 1
             self._waiter_for(op.lane).put(op, req)
 
+    def retire_when_idle(self, lane: Lane) -> None:
+        """Stop serving `lane` now if nothing of it is in flight, else once its last
+        operation completes (`poll_all`)."""
+        if lane not in self.lanes:
+            return
+        if lane.queue:
+            self._retiring.add(lane)
+        else:
+            self.retire_lane(lane)
+
     def retire_lane(self, lane: Lane) -> None:
         """Stop serving `lane` (nothing in flight on it): its wait thread ends too."""
+        self._retiring.discard(lane)
         self.lanes.remove(lane)
         self._issued += lane.synchronous  # the statistics keep its small calls
         self._completed += lane.synchronous
@@ -410,6 +422,8 @@ class Engine:
             return False
         for lane in self.lanes:
             lane.pump(self._issue)
+        for lane in [lane for lane in self._retiring if not lane.queue]:
+            self.retire_lane(lane)
         still = [op for op in self.inflight if not op.done]
         if len(still) < len(self.inflight):
             now = time.perf_counter()

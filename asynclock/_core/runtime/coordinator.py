@@ -215,8 +215,7 @@ class Coordinator(Collectives, SyncPrimitives):
             return await join_lanes(self._engine, lanes)
         finally:
             for lane in revived:
-                if not lane.queue:
-                    self._engine.retire_lane(lane)
+                self._engine.retire_when_idle(lane)
 
     # -- process sets (api.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:

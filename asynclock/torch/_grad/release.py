@@ -20,7 +20,6 @@ MPI_Finalize behind it. The windows and communicators stay until MPI ends.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -29,7 +28,6 @@ from typing import Protocol
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
 
-log = logging.getLogger("asynclock.torch")
 _RUNNING: set[threading.Thread] = set()  # releases under way in this process
 
 
@@ -98,16 +96,10 @@ class Held:
 _LOOP_WAIT_S = 60.0  # the loop answers within a tick unless the job is stopping
 
 
-def _stop_serving(coord: Coordinator, lane: Lane) -> bool:
-    """On the loop: stop serving a dropped optimizer's gradient lane, whose channel is
-    freed with the others at shutdown (True when it stopped)."""
-    if coord._closed or lane not in coord.lowlevel.engine.lanes:
-        return False
-    if lane.queue:  # something of it is still in flight: it goes with the coordinator
-        log.warning("asynclock: a dropped optimizer's gradient channel still has %d "
-                    "operations in flight; it is freed at shutdown", len(lane.queue))
-        return False
-    # it stays in `more_grad_lanes`: a peer's collector may not have dropped its copy
-    # yet, and a join serves every lane on every rank alike
-    coord.lowlevel.engine.retire_lane(lane)
-    return True
+def _stop_serving(coord: Coordinator, lane: Lane) -> None:
+    """On the loop: stop serving a dropped optimizer's gradient lane, at once or once
+    what is in flight on it (a join's round) completes; its channel is freed with the
+    others at shutdown. It stays in `more_grad_lanes`: a peer's collector may not have
+    dropped its copy yet, and a join serves every lane on every rank alike."""
+    if not coord._closed:
+        coord.lowlevel.engine.retire_when_idle(lane)
