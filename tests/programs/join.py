@@ -170,14 +170,15 @@ def check_hvd_allreduce(h: Any) -> None:
 def train_epoch(h: Any, opt: Any, model: torch.nn.Module, steps: list[int]) -> None:
     """Rank r runs steps[r] steps, then joins; each gradient is checked."""
     rank, size = h.rank(), h.size()
+    width = model.weight.shape[1]
     for step in range(steps[rank]):
-        x = torch.full((1, 6), float(rank + 1 + step))
+        x = torch.full((1, width), float(rank + 1 + step))
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
         live = [r for r in range(size) if step < steps[r]]
         want = sum(r + 1.0 + step for r in live) / size
-        assert torch.allclose(model.weight.grad, torch.full((1, 6), want)), (
+        assert torch.allclose(model.weight.grad, torch.full((1, width), want)), (
             step, model.weight.grad, want)
     last = h.join()
     tied = [r for r in range(size) if steps[r] == max(steps)]
@@ -253,9 +254,10 @@ def check_dropped_optimizer(h: Any) -> None:
 
 
 def check_dropped_during_join(h: Any) -> None:
-    """Rank 0's optimizer is dropped while rank 0 stands in on its lane in a join: the
-    lane is retired once that join's round there completes, not kept for the job. The
-    others join only after the drop (a file says so: rank 0 is in its join)."""
+    """Rank 0's optimizer is dropped while rank 0 stands in on its lane in a join, and
+    the others go on stepping theirs for two more rounds: rank 0 stands in on each (the
+    lane is not retired between them), and retires the lane once the join ends, not
+    keeping it for the job. The others step only after the drop (a file says so)."""
     import tempfile
     import threading
     import time
@@ -263,7 +265,7 @@ def check_dropped_during_join(h: Any) -> None:
     from asynclock.torch._grad.release import wait_released
 
     rank, size = h.rank(), h.size()
-    model = torch.nn.Linear(6, 1, bias=False)
+    model = torch.nn.Linear(1024, 1, bias=False)  # a bucket over the inline size
     held = [h.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())]
     lane, engine = held[0]._reducer.grad_lane, runtime.coordinator().lowlevel.engine
@@ -280,10 +282,11 @@ def check_dropped_during_join(h: Any) -> None:
 
         dropper = threading.Thread(target=drop)
         dropper.start()
+        assert h.join() == size - 1
     else:
         while not flag.exists():
             time.sleep(0.01)
-    assert h.join() == size - 1
+        train_epoch(h, held[0], model, [0] + [2] * (size - 1))  # joins at its end
     if rank == 0:
         dropper.join()
         assert lane not in engine.lanes, "a lane dropped during a join is still served"

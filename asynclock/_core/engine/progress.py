@@ -23,7 +23,9 @@ every in-flight request. Policy (`bench/collectives.py` measures it):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +123,8 @@ class Engine:
         # so the stall inspector sees them like in-flight ops.
         self.watched: list[Callable[[], InflightOp | None]] = []
         self._fillers: dict[Lane, float] = {}  # lane -> when its filler round is due
-        self._retiring: set[Lane] = set()  # retired once nothing of theirs is in flight
+        self._retiring: set[Lane] = set()  # retired once idle and not held
+        self._held: Counter[Lane] = Counter()  # lanes a join serves (`holding`)
         self.no_spin = False  # set around submissions nobody waits inside (`staging.LaneGate`)
 
     def add_lane(self, lane: Lane) -> Lane:
@@ -276,14 +279,27 @@ class Engine:
             self._waiter_for(op.lane).put(op, req)
 
     def retire_when_idle(self, lane: Lane) -> None:
-        """Stop serving `lane` now if nothing of it is in flight, else once its last
-        operation completes (`poll_all`)."""
-        if lane not in self.lanes:
-            return
-        if lane.queue:
+        """Stop serving `lane` once nothing of it is in flight and no join holds it
+        (now, or from `poll_all` or the end of `holding`)."""
+        if lane in self.lanes:
             self._retiring.add(lane)
-        else:
+            self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        for lane in [lane for lane in self._retiring if not lane.queue and not self._held[lane]]:
             self.retire_lane(lane)
+
+    @contextmanager
+    def holding(self, lanes: list[Lane]) -> Iterator[None]:
+        """While a join serves `lanes`: none is retired, also between its rounds, when
+        a lane is idle for a moment but the join's next round on it is still to come."""
+        self._held.update(lanes)
+        try:
+            yield
+        finally:
+            self._held.subtract(lanes)
+            self._held += Counter()  # drop the zero counts
+            self._retire_idle()
 
     def retire_lane(self, lane: Lane) -> None:
         """Stop serving `lane` (nothing in flight on it): its wait thread ends too."""
@@ -422,8 +438,8 @@ class Engine:
             return False
         for lane in self.lanes:
             lane.pump(self._issue)
-        for lane in [lane for lane in self._retiring if not lane.queue]:
-            self.retire_lane(lane)
+        if self._retiring:
+            self._retire_idle()
         still = [op for op in self.inflight if not op.done]
         if len(still) < len(self.inflight):
             now = time.perf_counter()

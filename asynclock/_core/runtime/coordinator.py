@@ -211,11 +211,12 @@ class Coordinator(Collectives, SyncPrimitives):
         revived = [lane for lane in lanes if lane not in self._engine.lanes]
         for lane in revived:
             self._engine.add_lane(lane)
-        try:
-            return await join_lanes(self._engine, lanes)
-        finally:
-            for lane in revived:
-                self._engine.retire_when_idle(lane)
+        with self._engine.holding(lanes):
+            try:
+                return await join_lanes(self._engine, lanes)
+            finally:
+                for lane in revived:
+                    self._engine.retire_when_idle(lane)
 
     # -- process sets (api.process_sets) ---------------------------------
     async def process_set(self, ranks: Iterable[int]) -> Subset:
