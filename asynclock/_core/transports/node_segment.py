@@ -51,9 +51,9 @@ def make(comm: Any, wanted: bool, rank_bytes: int) -> NodeSegment | None:
         return None
     nbytes = rank_bytes * comm.Get_size()
     nbytes += -nbytes % mmap.PAGESIZE
-    path = _create(nbytes) if comm.Get_rank() == 0 else None
+    path = create_file(nbytes) if comm.Get_rank() == 0 else None
     path = comm.bcast(path, root=0)
-    mapping = _map(path, nbytes) if path else None
+    mapping = map_file(path, nbytes) if path else None
     mapped = comm.allreduce(mapping is not None, op=MPI.LAND)
     if comm.Get_rank() == 0 and path:
         with contextlib.suppress(OSError):
@@ -68,9 +68,11 @@ def make(comm: Any, wanted: bool, rank_bytes: int) -> NodeSegment | None:
                        view)
 
 
-def _create(nbytes: int) -> str | None:
+def create_file(nbytes: int, what: str = "round") -> str | None:
+    """A new zero-filled file of `nbytes` in /dev/shm (its path), or None where none
+    can be made; whoever makes it unlinks it once every rank mapped it."""
     try:
-        fd, path = tempfile.mkstemp(prefix="asynclock-round-", dir=SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=f"asynclock-{what}-", dir=SHM_DIR)
     except OSError:
         return None
     try:
@@ -83,7 +85,8 @@ def _create(nbytes: int) -> str | None:
     return path
 
 
-def _map(path: str, nbytes: int) -> mmap.mmap | None:
+def map_file(path: str, nbytes: int) -> mmap.mmap | None:
+    """`path`'s first `nbytes`, mapped shared and writable, or None where it cannot be."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:

@@ -34,11 +34,20 @@ here, once:
 outside one): a window is locked (`Lock_all`) for its whole life. Allocating
 and freeing are collective over the node; freeing waits for every peer, so
 callers free off the event loop.
+
+A job with no MPI world (`horovodrun --gloo`) maps one file of /dev/shm
+instead (`over_mapping`; the file is made by `node_segment`'s helpers and
+unlinked once every rank mapped it). Its memory barrier is `fence`: on
+x86-64 a locked read-modify-write orders every earlier store, non-temporal
+ones included, before every later access, which is all `MPI_Win_sync` does
+there; elsewhere there is no such window (`FENCE_OK`).
 """
 
 from __future__ import annotations
 
 import itertools
+import platform
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +69,16 @@ SPIN_S = 50e-6  # `wait` spins this long before it sleeps on the bell
 CHECK_S = 0.1  # a sleeping `wait` looks at its peers' abort flags this often
 
 _OPEN: set[int] = set()  # ids of the MPI shared windows this process holds
+FENCE_OK = platform.machine() in ("x86_64", "AMD64")  # `fence` is a full barrier here
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier on x86-64: CPython's lock acquire and release are locked
+    read-modify-writes (a semaphore's compare-and-swap and add), which drain the
+    store buffer and the write-combining buffers of non-temporal stores."""
+    with _FENCE:
+        pass
 
 
 def owned_slice(items: int, r: int, n: int) -> tuple[int, int]:
@@ -102,6 +121,7 @@ class SharedWindow:
         `sync`: the window's memory barrier (`MPI_Win_sync`)."""
         self.rank, self.size = rank, len(memory)
         self.region_bytes, self.win, self._sync = region_bytes, win, sync
+        self.mapping: Any = None  # the shared file's mapping, for a window without MPI
         self.counters = [np.frombuffer(m, np.int64, count=COUNTERS) for m in memory]
         self.bells = [np.frombuffer(m, np.uint32, count=1, offset=BELL_OFFSET) for m in memory]
         self.bell_addresses = [int(b.ctypes.data) for b in self.bells]
@@ -123,6 +143,20 @@ class SharedWindow:
         node.Barrier()  # nobody reads a control block before its owner cleared it
         return window
 
+    @classmethod
+    def over_mapping(cls, rank: int, size: int, mapping: Any, region_bytes: int) -> SharedWindow:
+        """A window over one zero-filled shared mapping of `size` slots of
+        `CTL_BYTES + region_bytes` (slot q is rank q's), with `fence` as its barrier;
+        the mapping is unmapped once nothing refers to the window."""
+        slot = CTL_BYTES + region_bytes
+        if len(mapping) < size * slot:
+            raise ValueError(f"a mapping of {len(mapping)} bytes holds no {size} slots of {slot}")
+        whole = memoryview(mapping)
+        window = cls(rank, [whole[q * slot:(q + 1) * slot] for q in range(size)], region_bytes,
+                     fence)
+        window.mapping = mapping
+        return window
+
     def clear(self) -> None:
         """Zero my control block (MPI does not promise zeroed memory)."""
         self.counters[self.rank][:] = 0
@@ -130,10 +164,12 @@ class SharedWindow:
         self._sync()
 
     def free(self) -> None:
-        """Free the MPI window (collective over the node)."""
+        """Free the MPI window (collective over the node); a mapped file's window is
+        unmapped when the last view of it goes (peers keep their own mappings)."""
         if self.win is not None:
             free(self.win)
             self.win = None
+        self.mapping = None
 
     def sync(self) -> None:
         """The window's memory barrier (`MPI_Win_sync`)."""

@@ -18,8 +18,10 @@ plan ever depends on local timing.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import threading
 import time
 import weakref
@@ -39,6 +41,7 @@ from ..._core.engine import making
 from ..._core.engine.device_pg import group_of
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
+from ..._core.transports.node_segment import create_file, map_file
 from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
 from .hooks import Bucketer
@@ -48,7 +51,7 @@ from .registry import ParamRegistry
 from .release import Held
 from .scheduler import Scheduler
 from .shard import Shards
-from .shm import SharedArena, ShmTransport, eligible
+from .shm import SharedArena, ShmTransport, eligible, file_bytes, mpi_window
 from .step_run import StepRun
 from .storage import GradStorage
 from .tracing import unpack_span
@@ -457,16 +460,48 @@ class Reducer:
         self.bucketer.storage = storage
         self.generation += 1
 
-    def _make_arena(self, plan: Plan) -> SharedArena:
-        """The plan's shared window, made as an agreed call on the gradient lane
-        (`engine.making`): checked against every rank's call, then made on the lane's
-        wait thread from its data communicator, which nothing else uses meanwhile."""
+    def _make_arena(self, plan: Plan) -> SharedArena | None:
+        """The plan's shared window: MPI's, or a mapped file where there is no MPI world."""
+        if mpi_window(self.coord, self.grad_lane):
+            return self._make_mpi_arena(plan)
+        return self._make_file_arena(plan)
+
+    def _make_mpi_arena(self, plan: Plan) -> SharedArena:
+        """Made as an agreed call on the gradient lane (`engine.making`): checked against
+        every rank's call, then made on the lane's wait thread from its data
+        communicator, which nothing else uses meanwhile."""
         comm = getattr(self.grad_lane.transport, "data", None)
         sizes = self._group_bytes(plan)
         arena: SharedArena = self.loop.run(partial(
             making.make, self.coord.lowlevel.engine, self.grad_lane, "shm window",
-            lambda: SharedArena(comm, sizes), discard=SharedArena.close))
+            lambda: SharedArena.over_mpi(comm, sizes), discard=SharedArena.close))
         return arena
+
+    def _make_file_arena(self, plan: Plan) -> SharedArena | None:
+        """Rank 0 makes a file in /dev/shm and names it to the others, every rank maps
+        it, and once all say they did rank 0 unlinks it (so it goes with the last
+        process, however the job ends). Both exchanges are checked collectives on the
+        lane; None on every rank when any rank could not map it."""
+        sizes = self._group_bytes(plan)
+        rank, size = self.grad_lane.rank, self.grad_lane.size
+        nbytes = file_bytes(size, sizes)
+        path = create_file(nbytes, "grads") if rank == 0 else None
+        mapping = None
+        try:
+            paths = self.loop.run(partial(self.lane.allgather_object, path,
+                                          name="grad.shm.file"))
+            mapping = map_file(paths[0], nbytes) if paths[0] else None
+            mapped = self.loop.run(partial(self.lane.allgather_object, mapping is not None,
+                                           name="grad.shm.mapped"))
+        finally:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        if not all(mapped):
+            log.info("gradient buckets stay off shared memory: a rank could not map %s",
+                     paths[0])
+            return None
+        return SharedArena.over_file(rank, size, mapping, sizes)
 
     def _horovod_groups(self) -> bool:
         """The lane's transport takes buckets as groups of handed tensors (`grouped`)."""
@@ -505,7 +540,8 @@ class Reducer:
 # -- the sharded optimizer's steps (`shard_optimizer=True`; the state lives in `shard`) --
 def check_shard_transport(coord: Any, lane: Any, options: ReduceOptions) -> None:
     """Sharding lives in the shared-memory window: say at once when there is none."""
-    if not (options.shm and options.replan and eligible(coord, lane)):
+    if not (options.shm and options.replan and eligible(coord, lane)
+            and mpi_window(coord, lane)):
         raise ValueError("shard_optimizer=True needs the shared-memory window: every rank "
                          "on one node, the MPI backend with MPI_THREAD_MULTIPLE, and "
                          "Tuning(shm=True, replan=True) (ASYNCLOCK_NODE_WINDOW not 0)")

@@ -1,11 +1,13 @@
-"""Intra-node gradient reduction through an MPI shared-memory window.
+"""Intra-node gradient reduction through a shared-memory window.
 
-When every rank lives on one node (and the transport is MPI), the
-gradient buffers themselves are allocated in an MPI-3 shared window
-(`MPI_Win_allocate_shared`), so each rank can read every other rank's
-buffer. A bucket is then reduced without any message: rank r sums chunk r
-of the bucket over all ranks' buffers into its own, and copies the other
-chunks back from their owners. That takes a fraction of the CPU of an
+When every rank lives on one node, the gradient buffers themselves are
+allocated in a shared window, so each rank can read every other rank's
+buffer: an MPI-3 shared window (`MPI_Win_allocate_shared`) under MPI, or,
+in a job with no MPI world (`horovodrun --gloo`, where Horovod would carry
+buckets through gloo's sockets), one file of /dev/shm that every rank maps.
+A bucket is then reduced without any message: rank r sums chunk r of the
+bucket over all ranks' buffers into its own, and copies the other chunks
+back from their owners. That takes a fraction of the CPU of an
 MPI_Allreduce, which copies through the transport and spins while waiting
 (figures on the benchmarks page).
 
@@ -16,7 +18,7 @@ reducer (`shm_pipeline`), from progress counters every rank publishes in
 the window and a futex to wake it: no MPI call and no event-loop wake-up
 per bucket. While a rank has joined (`engine.join`) it cannot reduce its
 chunks, so a round's first stage is refused on every rank and that round's
-buckets go as plain MPI allreduces, which joined ranks stand in for.
+buckets go as plain allreduces on the lane, which joined ranks stand in for.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..._core.base.errors import JoinedError
 from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
 from ..._core.engine.progress import Engine
-from ..._core.transports.shared_window import SharedWindow
+from ..._core.transports.shared_window import CTL_BYTES, FENCE_OK, SharedWindow
 from .buckets import Plan
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
 from .shm_chunks import HandedGrads, chunk
@@ -45,44 +47,81 @@ SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every ra
                 "its own pieces of the parameters, so a rank without data cannot stand in "
                 "for the others; give every rank the same number of batches, or build the "
                 "optimizer without shard_optimizer")
-__all__ = ["SharedArena", "ShmTransport", "chunk", "eligible"]
+__all__ = ["SharedArena", "ShmTransport", "chunk", "eligible", "file_bytes", "mpi_window"]
 
 
 def eligible(coord: Any, lane: Lane) -> bool:
-    """One node, MPI underneath, threads allowed to call MPI, not switched off."""
+    """One node, not switched off, and a window to be had: MPI's, where threads may
+    call MPI, or else a mapped file (`horovodrun --gloo`), where `fence` is a barrier."""
+    if not (settings.flag("ASYNCLOCK_NODE_WINDOW") and coord.size > 1
+            and coord.local_size == coord.size):
+        return False
+    if coord.backend.name == "mpi":
+        return mpi_window(coord, lane)
+    return FENCE_OK and coord.backend.name == "horovod"
+
+
+def mpi_window(coord: Any, lane: Lane) -> bool:
+    """MPI underneath, with threads allowed to call it: the window is MPI's own."""
     backend = coord.backend
-    return (settings.flag("ASYNCLOCK_NODE_WINDOW") and backend.name == "mpi"
-            and coord.size > 1 and coord.local_size == coord.size
-            and getattr(backend, "thread_level", 0) >= 3 and hasattr(lane.transport, "data"))
+    return (backend.name == "mpi" and getattr(backend, "thread_level", 0) >= 3
+            and hasattr(lane.transport, "data"))
 
 
 class SharedArena:
     """One shared window per plan (`transports.shared_window`): every rank's gradient
-    buffers in its region, visible to all, behind its control block."""
+    buffers in its region, visible to all, behind its control block. The window is
+    MPI's (`over_mpi`) or a mapped file's (`over_file`); `node` is the MPI node
+    communicator where there is one (the sharded optimizer needs it)."""
 
-    def __init__(self, comm: Any, group_bytes: dict[str, int]) -> None:
+    def __init__(self, window: SharedWindow, offsets: dict[str, int], node: Any = None) -> None:
+        self.window, self.offsets, self.node = window, offsets, node
+        self.rank, self.size = window.rank, window.size
+        self.bases = [torch.from_numpy(r) for r in window.regions]
+
+    @classmethod
+    def over_mpi(cls, comm: Any, group_bytes: dict[str, int]) -> SharedArena:
+        """Collective over `comm`: the window MPI allocates over its node."""
         from mpi4py import MPI
 
-        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        self.rank, self.size = self.node.Get_rank(), self.node.Get_size()
-        self.offsets: dict[str, int] = {}
-        total = 0
-        for group, n in sorted(group_bytes.items()):
-            self.offsets[group] = total
-            total += -(-n // ALIGN) * ALIGN
-        self.window = SharedWindow.allocate(self.node, total)
-        self.bases = [torch.from_numpy(r) for r in self.window.regions]
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        offsets, total = layout(group_bytes)
+        return cls(SharedWindow.allocate(node, total), offsets, node)
+
+    @classmethod
+    def over_file(cls, rank: int, size: int, mapping: Any,
+                  group_bytes: dict[str, int]) -> SharedArena:
+        """The window over a zero-filled file every rank mapped (`file_bytes` long)."""
+        offsets, total = layout(group_bytes)
+        return cls(SharedWindow.over_mapping(rank, size, mapping, total), offsets)
 
     def close(self) -> None:
-        """Free the window and its node communicator (collective over the node)."""
+        """Free the window and its node communicator (collective over the node, where
+        MPI made them)."""
         self.window.free()
-        self.node.Free()
+        if self.node is not None:
+            self.node.Free()
 
     def buffers(self, group: str, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
         """Group `group`'s flat buffer of every rank (index = node rank)."""
         start = self.offsets[group]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return [b[start: start + nbytes].view(dtype) for b in self.bases]
+
+
+def layout(group_bytes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each dtype group's byte offset in a region, and the region's size."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for group, n in sorted(group_bytes.items()):
+        offsets[group] = total
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, total
+
+
+def file_bytes(size: int, group_bytes: dict[str, int]) -> int:
+    """The length of the file `SharedArena.over_file` maps for `size` ranks."""
+    return size * (CTL_BYTES + layout(group_bytes)[1])
 
 
 class _Round:
