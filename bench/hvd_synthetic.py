@@ -328,6 +328,20 @@ def tensor_names(path: Path) -> list[str]:
             if e.get("ph") == "M" and e.get("name") == "process_name"]
 
 
+def negotiations_by_name(path: Path) -> dict[str, int]:
+    """How often Horovod negotiated each tensor name in a timeline."""
+    names: dict[int, str] = {}
+    counts: dict[str, int] = {}
+    for e in timeline_events(path):
+        pid = e.get("pid")
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[pid] = e["args"].get("name", "")
+        elif e.get("ph") == "B" and str(e.get("name", "")).startswith("NEGOTIATE_"):
+            name = names.get(pid, "")
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def cache_rate(path: Path) -> dict[str, Any]:
     """Negotiations of cached kinds in a Horovod timeline, and how many were cache hits
     (no rank ticks between the negotiation's begin and end)."""

@@ -329,7 +329,8 @@ def test_auto_picks_mpi_under_horovodrun_with_an_mpi_world() -> None:
 GLOO_TRAINING = {
     "torch_grads.py": ["caps_tiny_partitions", "caps_tiny_default", "identical_20_steps",
                        "handed_some_ranks", "grouped_yes", "grouped_in_thread",
-                       "accumulate_passes", "gated_bit_identical", "mismatch_options"],
+                       "accumulate_passes", "gated_bit_identical", "mismatch_options",
+                       "transport_shm", "mismatch_buckets_shm"],
     "torch_async.py": ["basic", "loop_live_during_backward", "modes_bit_identical",
                        "cancel_during_backward"],
     "join.py": ["hvd_allreduce", "hvd_optimizer"],
@@ -341,7 +342,8 @@ GLOO_TRAINING = {
 def test_training_under_horovodrun_gloo(program: str) -> None:
     """`import asynclock.torch as hvd` under `horovodrun --gloo` (no MPI world): the
     gradient checks (each a new DistributedOptimizer with a new gradient lane, buckets
-    as Horovod groups of handed gradients), the async API, and join with uneven steps
+    as Horovod groups of handed gradients in the profiling round, then through the
+    node's shared-memory file), the async API, and join with uneven steps
     (joined rounds settle their buckets). Regression: a peer's first header round on
     a new lane used to get lost (torch_grads.py hung in ~half the runs). Horovod groups
     are waited for in the lane's wait thread, small ones too (`grouped_in_thread`)."""
@@ -356,11 +358,23 @@ def test_gated_and_plain_updates_bit_identical_at_3_ranks_under_horovodrun_gloo(
     """3 ranks sum in an order that follows the layout of Horovod's fusion buffer: with
     buckets fused across groups it followed timing, and gated, per-bucket and plain
     updates differed in the last bits (4 of 4 runs). asynclock now initializes Horovod
-    with HOROVOD_DISABLE_GROUP_FUSION=1 unless the user set it."""
+    with HOROVOD_DISABLE_GROUP_FUSION=1 unless the user set it. The node's shared
+    memory is off here, so every round's buckets go through Horovod, as across hosts."""
+    need_horovod(gloo=True)
+    job = run_horovodrun("torch_grads.py", 3, gloo=True, timeout=150,
+                         env={"ASYNCLOCK_NODE_WINDOW": "0"})
+    labels_ok(job, 3, ["gated_bit_identical", "identical_20_steps", "handed_some_ranks",
+                       "transport_allreduce", "done"])
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_gradients_through_a_shared_file_at_3_ranks_under_horovodrun_gloo() -> None:
+    """The same checks with buckets through the mapped /dev/shm file, over 3 ranks."""
     need_horovod(gloo=True)
     job = run_horovodrun("torch_grads.py", 3, gloo=True, timeout=150)
     labels_ok(job, 3, ["gated_bit_identical", "identical_20_steps", "handed_some_ranks",
-                       "done"])
+                       "transport_shm", "mismatch_buckets_shm", "done"])
 
 
 @pytest.mark.mpi

@@ -7,7 +7,9 @@ user under `horovodrun`, beside Horovod 0.28.1 itself.
 - A synthetic-benchmark-like loop under `horovodrun --gloo`, long enough that unique
   names would overflow Horovod's 1024-entry response cache, prints no Horovod warning,
   and Horovod answers its gradient buckets from the cache (its own timeline says so);
-  asynclock started Horovod with its defaults (5 ms cycle, group fusion off).
+  asynclock started Horovod with its defaults (5 ms cycle, group fusion off). Buckets
+  go through Horovod where ranks span hosts; on one node they take a shared-memory
+  file after the profiling round, so the loop runs both ways.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import pytest
 from mpijob import Job, assert_labels, horovod_status, horovodrun_missing, run_horovodrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from hvd_synthetic import WARNING, cache_rate, tensor_names  # noqa: E402
+from hvd_synthetic import (  # noqa: E402
+    WARNING,
+    cache_rate,
+    negotiations_by_name,
+    tensor_names,
+)
 
 
 def need(gloo: bool) -> None:
@@ -63,8 +70,10 @@ def test_synthetic_loop_under_horovodrun_gloo_fills_no_cache_and_warns_nothing(
     Horovod print its eviction warning on every rank."""
     need(gloo=True)
     timeline = tmp_path / "timeline.json"
+    # the shared-memory window off: buckets through Horovod, as across hosts
     job = run_horovodrun("hvd_synthetic_loop.py", 2, "--steps", "40", gloo=True, timeout=300,
-                         env={"HOROVOD_TIMELINE": str(timeline)})
+                         env={"HOROVOD_TIMELINE": str(timeline),
+                              "ASYNCLOCK_NODE_WINDOW": "0"})
     assert_labels(job, 2, "fp32", "fp16")
     assert not WARNING.findall(job.output), job.explain()
     assert not re.search(r"\bW \S*horovod", job.output), job.explain()
@@ -81,3 +90,23 @@ def test_synthetic_loop_under_horovodrun_gloo_fills_no_cache_and_warns_nothing(
     # set by the user here), on every rank
     settings = set(re.findall(r"HVD_SETTINGS (\d+) (.*)", job.output))
     assert settings == {(str(r), "cycle=5 group_fusion_off=1") for r in (0, 1)}, job.explain()
+
+
+@pytest.mark.horovod
+def test_synthetic_loop_on_one_node_takes_buckets_off_horovod(tmp_path: Path) -> None:
+    """On one node under `horovodrun --gloo` there is no MPI window, and buckets go
+    through a mapped /dev/shm file after the profiling round: Horovod negotiates each
+    gradient bucket once per optimizer (the profiling round) and prints nothing; the
+    file is gone once the ranks mapped it."""
+    need(gloo=True)
+    timeline = tmp_path / "timeline.json"
+    before = set(Path("/dev/shm").glob("asynclock-grads-*"))
+    job = run_horovodrun("hvd_synthetic_loop.py", 2, "--steps", "40", gloo=True, timeout=300,
+                         env={"HOROVOD_TIMELINE": str(timeline)})
+    assert_labels(job, 2, "fp32", "fp16")
+    assert not WARNING.findall(job.output), job.explain()
+    assert not re.search(r"\bW \S*horovod", job.output), job.explain()
+    counts = negotiations_by_name(timeline)
+    grads = {n: c for n, c in counts.items() if ".grad." in n}
+    assert grads and max(grads.values()) <= 2, grads  # the fp32 and fp16 profiling rounds
+    assert set(Path("/dev/shm").glob("asynclock-grads-*")) <= before

@@ -5,9 +5,13 @@ ownership, which both reducers take."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, run_job
 
+from asynclock._core.transports.node_segment import create_file, map_file
 from asynclock._core.transports.shared_window import (
     BELL_OFFSET,
     COUNTERS,
@@ -45,3 +49,40 @@ def test_control_block_layout() -> None:
     assert win.bells[0][0] != 0 and win.bells[1][0] == 0  # the peer's bell was rung
     win.regions[1][:] = 7
     assert bytes(memory[1][CTL_BYTES:]) == b"\x07" * 64 and not any(memory[0][CTL_BYTES:])
+
+
+def test_a_window_over_a_shared_file_hands_data_and_wakes_across_mappings() -> None:
+    """Without an MPI world the window is one /dev/shm file every rank maps: two
+    mappings of it (as two ranks have) see each other's regions and counters, and a
+    ring on one wakes a sleeper on the other (a process-shared futex keys on the file,
+    not the address). The file is gone once both mapped it."""
+    region = 4096
+    nbytes = 2 * (CTL_BYTES + region)
+    path = create_file(nbytes, "test")
+    assert path is not None
+    try:
+        mappings = [map_file(path, nbytes) for _ in range(2)]
+    finally:
+        os.unlink(path)
+    assert all(m is not None for m in mappings)
+    wins = [SharedWindow.over_mapping(r, 2, m, region) for r, m in enumerate(mappings)]
+    assert wins[0].regions[0].ctypes.data != wins[1].regions[0].ctypes.data
+    seen: list[int] = []
+
+    def reader() -> None:
+        assert wins[1].wait(1, 1, "test", limit_s=30.0)
+        seen.append(int(wins[1].regions[0][region - 1]))
+
+    # rank 1 has published its counter: only rank 0's is missing
+    wins[1].publish(1, 1)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    wins[0].regions[0][:] = 9
+    wins[0].publish(1, 1)
+    thread.join(30)
+    assert not thread.is_alive() and seen == [9]
+    assert wins[0].least(1) == 1 and wins[1].peek(1) == [1, 1]
+    with pytest.raises(ValueError, match="holds no 3 slots"):
+        SharedWindow.over_mapping(0, 3, mappings[0], region)
+    for w in wins:
+        w.free()

@@ -35,6 +35,7 @@ from ..._core.base.errors import JoinedError
 from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
 from ..._core.engine.progress import Engine
+from ..._core.runtime import failure
 from ..._core.transports.shared_window import CTL_BYTES, FENCE_OK, SharedWindow
 from .buckets import Plan
 from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
@@ -58,7 +59,8 @@ def eligible(coord: Any, lane: Lane) -> bool:
         return False
     if coord.backend.name == "mpi":
         return mpi_window(coord, lane)
-    return FENCE_OK and coord.backend.name == "horovod"
+    # an elastic world re-forms around lost ranks, which a mapped file does not follow
+    return FENCE_OK and coord.backend.name == "horovod" and failure.policy() != "reform"
 
 
 def mpi_window(coord: Any, lane: Lane) -> bool:
