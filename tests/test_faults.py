@@ -285,6 +285,18 @@ def test_frozen_rank_horovodrun(gloo: bool) -> None:
     assert_no_orphans(job, 2)
 
 
+@pytest.mark.horovod
+@pytest.mark.parametrize("how", ["KILL", pytest.param("STOP", marks=pytest.mark.slow)])
+def test_a_rank_lost_mid_backward_ends_the_shared_file_round(how: str) -> None:
+    """Under `horovodrun --gloo` on one node the buckets go through a mapped file: a
+    peer lost while the others wait on its counters there ends the job, naming it."""
+    job, elapsed = horovodrun("fault_train_kill.py", "--signal", how, gloo=True)
+    assert job.returncode not in (0, 124) and elapsed < DEADLINE_S, job.explain()
+    assert "transport_shm" in job.output, job.explain()
+    assert re.search(r"rank 1\b", job.output) and "unexpected" not in job.output, job.explain()
+    assert_no_orphans(job, 2)
+
+
 # -- stalls ------------------------------------------------------------------------------
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_stall_report_names_missing_rank(nranks: int) -> None:

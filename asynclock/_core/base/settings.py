@@ -70,7 +70,8 @@ DECLARED: tuple[Setting, ...] = (
        "allreduces where every node holds the same number of ranks, more than one (reduced "
        "there, then across nodes over MPI, one slice per local rank; "
        "ASYNCLOCK_BULK=gloo also turns this off), and gradient buckets when every rank is "
-       "on one node (0: MPI's own allreduce for both). Replaces `ASYNCLOCK_WINDOW` and "
+       "on one node, through a /dev/shm file under horovodrun --gloo (0: MPI's own "
+       "allreduce for both, Horovod's for buckets without MPI). Replaces `ASYNCLOCK_WINDOW` and "
        "`ASYNCLOCK_SHM`, still read when it is unset (0 in either turns the window off).",
        agree=True, replaces=("WINDOW", "SHM")),
     _s("WINDOW_MIN_BYTES", "number", "1048576", "Smallest allreduce the node window takes "

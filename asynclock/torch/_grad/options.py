@@ -36,8 +36,8 @@ class Tuning:
             would only go as more Horovod collectives.
         priority: launch front buckets first; None: on exactly when forward gating is on.
         replan: re-plan the bucket layout from the gradient order rank 0 observes.
-        shm: gradient buckets through the node's shared-memory window when every rank
-            is on one node (MPI).
+        shm: gradient buckets through the node's shared memory when every rank is on
+            one node (MPI's window, or a /dev/shm file under `horovodrun --gloo`).
         stall_s: seconds a step waits for its gradients before it logs what it waits
             for (then at doubling intervals); default ASYNCLOCK_STALL_S.
         timeout_s: seconds after which a step waiting for its gradients raises
@@ -50,7 +50,7 @@ class Tuning:
     partition: bool | None = None  # None: on, except on Horovod's transport
     priority: bool | None = None  # None: on exactly when forward gating is on
     replan: bool = True
-    shm: bool = True  # shared-memory buckets when every rank is on one node (MPI)
+    shm: bool = True  # shared-memory buckets when every rank is on one node
     stall_s: float = field(default_factory=lambda: settings.number("ASYNCLOCK_STALL_S"))
     timeout_s: float | None = None
 
