@@ -101,7 +101,7 @@ def test_synthetic_loop_on_one_node_takes_buckets_off_horovod(tmp_path: Path) ->
     need(gloo=True)
     timeline = tmp_path / "timeline.json"
     before = set(Path("/dev/shm").glob("asynclock-grads-*"))
-    job = run_horovodrun("hvd_synthetic_loop.py", 2, "--steps", "40", gloo=True, timeout=300,
+    job = run_horovodrun("hvd_synthetic_loop.py", 2, "--steps", "12", gloo=True, timeout=300,
                          env={"HOROVOD_TIMELINE": str(timeline)})
     assert_labels(job, 2, "fp32", "fp16")
     assert not WARNING.findall(job.output), job.explain()
