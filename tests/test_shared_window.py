@@ -6,12 +6,14 @@ ownership, which both reducers take."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, run_job
 
-from asynclock._core.transports.node_segment import create_file, map_file
+from asynclock._core.transports.node_segment import create_file, free_bytes, map_file
 from asynclock._core.transports.shared_window import (
     BELL_OFFSET,
     COUNTERS,
@@ -86,3 +88,24 @@ def test_a_window_over_a_shared_file_hands_data_and_wakes_across_mappings() -> N
         SharedWindow.over_mapping(0, 3, mappings[0], region)
     for w in wins:
         w.free()
+
+
+def test_a_file_that_does_not_fit_in_shared_memory_is_refused_when_made(
+        tmp_path: Path) -> None:
+    """tmpfs takes any truncated size and raises SIGBUS at the first page it has no room
+    for; the file's pages are allocated when it is made, so it is refused there (None,
+    nothing left behind) and the ranks keep their buckets on the transport."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        assert create_file(4 << 20, "test", str(small)) is None
+        assert not list(small.iterdir())
+        fits = create_file(256 << 10, "test", str(small))
+        assert fits is not None and os.path.getsize(fits) == 256 << 10
+        assert free_bytes(str(small)) <= (1 << 20) - (256 << 10)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

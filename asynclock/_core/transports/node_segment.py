@@ -68,21 +68,37 @@ def make(comm: Any, wanted: bool, rank_bytes: int) -> NodeSegment | None:
                        view)
 
 
-def create_file(nbytes: int, what: str = "round") -> str | None:
+def create_file(nbytes: int, what: str = "round", directory: str = SHM_DIR) -> str | None:
     """A new zero-filled file of `nbytes` in /dev/shm (its path), or None where none
-    can be made; whoever makes it unlinks it once every rank mapped it."""
+    can be made; whoever makes it unlinks it once every rank mapped it.
+
+    Its pages are allocated here (`posix_fallocate`): tmpfs grants a truncated file
+    whatever size is asked and raises SIGBUS in whichever rank first touches a page it
+    has no room for (a container's /dev/shm is often 64 MiB), so a file that does not
+    fit is refused now, on one rank, as None."""
     try:
-        fd, path = tempfile.mkstemp(prefix=f"asynclock-{what}-", dir=SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=f"asynclock-{what}-", dir=directory)
     except OSError:
         return None
     try:
         os.ftruncate(fd, nbytes)  # zero-filled: no round written, none read
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
     except OSError:
         os.unlink(path)
         return None
     finally:
         os.close(fd)
     return path
+
+
+def free_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes free in `directory`'s file system (for messages), 0 where it cannot tell."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def map_file(path: str, nbytes: int) -> mmap.mmap | None:

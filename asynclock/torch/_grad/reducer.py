@@ -41,7 +41,7 @@ from ..._core.engine import making
 from ..._core.engine.device_pg import group_of
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
-from ..._core.transports.node_segment import create_file, map_file
+from ..._core.transports.node_segment import create_file, free_bytes, map_file
 from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
 from .hooks import Bucketer
@@ -486,6 +486,9 @@ class Reducer:
         rank, size = self.grad_lane.rank, self.grad_lane.size
         nbytes = file_bytes(size, sizes)
         path = create_file(nbytes, "grads") if rank == 0 else None
+        if rank == 0 and path is None:
+            log.warning("gradient buckets stay on the transport: no file of %d MiB fits in "
+                        "/dev/shm (%d MiB free)", nbytes >> 20, free_bytes() >> 20)
         mapping = None
         try:
             paths = self.loop.run(partial(self.lane.allgather_object, path,
@@ -498,8 +501,9 @@ class Reducer:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         if not all(mapped):
-            log.info("gradient buckets stay off shared memory: a rank could not map %s",
-                     paths[0])
+            if paths[0] is not None and rank == 0:
+                log.warning("gradient buckets stay on the transport: ranks %s could not map "
+                            "%s", [q for q, ok in enumerate(mapped) if not ok], paths[0])
             return None
         return SharedArena.over_file(rank, size, mapping, sizes)
 
