@@ -400,11 +400,12 @@ def test_collectives_matrix_on_horovod() -> None:
     labels_ok(job, 2, ["check_allreduce", "check_half_bulk", "check_broadcast", "done"])
 
 
+@pytest.mark.slow  # real Horovod on our script: it changes only with the script
 @pytest.mark.horovod
 def test_the_drop_in_script_passes_on_real_horovod_too() -> None:
     """Conformance: the script `asynclock.torch` runs unchanged (grouped and async
     collectives, join, broadcast_object...) passes the same checks on Horovod 0.28.1,
-    so the semantics it asserts are Horovod's, not ours."""
+    so the semantics it asserts are Horovod's, not ours (with --long)."""
     kind, why = horovod_status()
     if why:
         pytest.skip(why)

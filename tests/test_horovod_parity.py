@@ -3,7 +3,7 @@ user under `horovodrun`, beside Horovod 0.28.1 itself.
 
 - Capability queries (`gloo_built`, `mpi_enabled`, `nccl_built`, ...) answer what the
   job can do, as Horovod's: the same answers as Horovod's in the same kind of job,
-  under `horovodrun --gloo` and under `horovodrun` with MPI.
+  under `horovodrun --gloo` and under `horovodrun` with MPI (that one with --long).
 - A synthetic-benchmark-like loop under `horovodrun --gloo`, long enough that unique
   names would overflow Horovod's 1024-entry response cache, prints no Horovod warning,
   and Horovod answers its gradient buckets from the cache (its own timeline says so);
@@ -50,7 +50,8 @@ def caps(job: Job) -> dict[int, dict[str, dict[str, object]]]:
 
 @pytest.mark.mpi
 @pytest.mark.horovod
-@pytest.mark.parametrize("gloo", [True, False], ids=["gloo", "mpi"])
+@pytest.mark.parametrize("gloo", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["gloo", "mpi"])
 def test_capability_queries_answer_as_horovods_do(gloo: bool) -> None:
     need(gloo)
     theirs = caps(run_horovodrun("capabilities.py", 2, "--horovod", gloo=gloo, timeout=150))
