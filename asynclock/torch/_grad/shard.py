@@ -3,8 +3,8 @@ updating only the chunk of every bucket it reduces.
 
 Why: in plain data parallelism every rank runs the same optimizer step over
 the same averaged gradients, so a node does that memory-bound work once per
-rank, and with shared-memory reduction every rank also copies back the
-chunks the others summed. For a memory-bound model the optimizer step is a
+rank, and with shared-memory reduction every rank also stores the chunks
+it summed into every other rank's buffer. For a memory-bound model the optimizer step is a
 large share of the training step (benchmarks page). Here rank r, which already sums chunk r
 of every bucket over all ranks (`shm_pipeline`), applies the optimizer to
 that chunk at once, writing parameters and state that live once per node

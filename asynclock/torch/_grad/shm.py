@@ -6,8 +6,8 @@ buffer: an MPI-3 shared window (`MPI_Win_allocate_shared`) under MPI, or,
 in a job with no MPI world (`horovodrun --gloo`, where Horovod would carry
 buckets through gloo's sockets), one file of /dev/shm that every rank maps.
 A bucket is then reduced without any message: rank r sums chunk r of the
-bucket over all ranks' buffers into its own, and copies the other chunks
-back from their owners. That takes a fraction of the CPU of an
+bucket over all ranks' buffers and stores the sum in every rank's buffer,
+where each rank's `.grad` views it. That takes a fraction of the CPU of an
 MPI_Allreduce, which copies through the transport and spins while waiting
 (figures on the benchmarks page).
 

@@ -6,11 +6,13 @@ counters are stored and read, the bells and `aborted`), which only it
 writes and every rank reads:
 
 * `packed`: buckets (in launch order) whose gradients sit in its buffer;
-* `reduced`: buckets whose chunk it owns it has summed over all ranks;
-* `gathered`: rounds whose every chunk it has copied back into its buffer;
+* `reduced`: buckets whose chunk it owns it has summed over all ranks and stored
+  in every rank's buffer (each rank's `.grad` views its own);
+* `gathered`: rounds it has seen every rank reduce, whole in its buffer, so no
+  peer reads or writes its buffer for them any more;
 * `aborted` (the window's own slot): set when its pipeline failed, so peers fail
   too instead of waiting;
-* `started`: rounds whose checked MPI stage it has issued. Only a hint: when
+* `started`: rounds whose checked stage it has issued. Only a hint: when
   every rank's count reaches the round this rank waits to check, its loop is
   told to test that stage now, instead of polling it every millisecond while
   the slowest peer's backward reaches its first bucket (many wake-ups of the
@@ -18,14 +20,14 @@ writes and every rank reads:
 
 Counters only grow (round m's bucket j counts as m * buckets + j + 1), so a
 rank needs nothing but the minimum over ranks to know what it may do next:
-reduce its chunk of every bucket all ranks have packed, gather every bucket
-all ranks have reduced. The results do not depend on how ranks batch these
+reduce its chunk of every bucket all ranks have packed, and hand on every
+bucket all ranks have reduced. The results do not depend on how ranks batch these
 steps (each chunk is summed by its owner in rank order), so nothing has to
 be agreed per bucket: instead of an MPI allreduce and a poll loop per stage
 on the event loop, a rank here wakes only when a peer rings its bell (a
 futex in the window) or its own backward packs a bucket.
 
-Per round the loop still issues one checked MPI stage (see `ShmTransport`):
+Per round the loop still issues one checked stage (see `ShmTransport`):
 it compares plan checksums, and a joined rank refuses it on every rank.
 """
 
@@ -316,8 +318,9 @@ class ShmPipeline:
         return True
 
     def _gather_positions(self, job: RoundJob, positions: range) -> bool:
-        for p in positions:
-            self._gather(self.plan.buckets[job.order[p]])
+        """Every rank reduced these buckets: my buffer holds them whole, since each
+        owner stored its chunk in it too (`_write_through`; sharded, the parameters
+        are shared and every update is in place)."""
         job.gathered = positions.stop
         job.on_gathered(positions)
         if job.gathered == len(job.order):
@@ -377,12 +380,21 @@ class ShmPipeline:
                          1.0 if h is None else h.scale)
         if self.post != 1.0:
             bufs[self.me][lo:hi].mul_(self.post)
+        if self.shard is None:
+            self._write_through(bufs, lo, hi)
         if self.handed is not None:
             self.handed.drop(b.index)
 
-    def _gather(self, b: Bucket) -> None:
-        if self.shard is None:  # sharded: parameters are shared, every update in place
-            self._copy_peer_chunks(b)
+    def _write_through(self, bufs: list[torch.Tensor], lo: int, hi: int) -> None:
+        """Store my summed chunk in every peer's buffer too, where its `.grad` views
+        it: each peer then has the whole bucket once REDUCED says so, and copies
+        nothing back. Only I read a peer's buffer at my chunk (to sum it, done now),
+        and the peer writes there again only for a later round, after it packed that
+        round's bucket, which I wait for before summing it; a store from here costs
+        the peer's load and store of the copy-back."""
+        for q in range(self.n):
+            if q != self.me:
+                bufs[q][lo:hi].copy_(bufs[self.me][lo:hi])
 
     def _copy_peer_chunks(self, b: Bucket) -> None:
         bufs = self.peers[b.group]
