@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,21 +53,42 @@ def make(comm: Any, wanted: bool, rank_bytes: int) -> NodeSegment | None:
         return None
     nbytes = rank_bytes * comm.Get_size()
     nbytes += -nbytes % mmap.PAGESIZE
-    path = create_file(nbytes) if comm.Get_rank() == 0 else None
-    path = comm.bcast(path, root=0)
-    mapping = map_file(path, nbytes) if path else None
-    mapped = comm.allreduce(mapping is not None, op=MPI.LAND)
-    if comm.Get_rank() == 0 and path:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # every rank has it mapped, or none uses it
-    if not mapped:
-        if mapping is not None:
-            mapping.close()
+    mapping, _ = share_file(comm.Get_rank(), nbytes, "round", comm.allgather)
+    if mapping is None:
         return None
-    assert mapping is not None
     view = np.frombuffer(mapping, np.uint8)
     return NodeSegment(view.ctypes.data, nbytes, comm.Get_rank(), comm.Get_size(), mapping,
                        view)
+
+
+def share_file(rank: int, nbytes: int, what: str, allgather: Callable[[Any], list[Any]]
+               ) -> tuple[mmap.mmap | None, list[int] | None]:
+    """Collective through `allgather` (every rank's object, in rank order): rank 0 makes
+    a file of `nbytes` and names it to the others, every rank maps it, and once all said
+    whether they could, rank 0 unlinks it, so it goes with the last process however
+    the job ends.
+
+    Returns:
+        The mapping, or None on every rank when any rank lacks it; and the ranks that
+        could not map it (None: rank 0 could not make it).
+    """
+    path = create_file(nbytes, what) if rank == 0 else None
+    try:
+        made = allgather(path)[0]
+        mapping = map_file(made, nbytes) if made else None
+        mapped = allgather(mapping is not None)
+    finally:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if made is None:
+        return None, None
+    missing = [q for q, ok in enumerate(mapped) if not ok]
+    if missing:
+        if mapping is not None:
+            mapping.close()
+        return None, missing
+    return mapping, []
 
 
 def create_file(nbytes: int, what: str = "round", directory: str = SHM_DIR) -> str | None:
@@ -95,10 +118,9 @@ def create_file(nbytes: int, what: str = "round", directory: str = SHM_DIR) -> s
 def free_bytes(directory: str = SHM_DIR) -> int:
     """Bytes free in `directory`'s file system (for messages), 0 where it cannot tell."""
     try:
-        st = os.statvfs(directory)
+        return shutil.disk_usage(directory).free
     except OSError:
         return 0
-    return st.f_bavail * st.f_frsize
 
 
 def map_file(path: str, nbytes: int) -> mmap.mmap | None:

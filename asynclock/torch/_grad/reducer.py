@@ -18,10 +18,8 @@ plan ever depends on local timing.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import os
 import threading
 import time
 import weakref
@@ -41,7 +39,7 @@ from ..._core.engine import making
 from ..._core.engine.device_pg import group_of
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
-from ..._core.transports.node_segment import create_file, free_bytes, map_file
+from ..._core.transports.node_segment import free_bytes, share_file
 from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
 from .hooks import Bucketer
@@ -478,34 +476,28 @@ class Reducer:
         return arena
 
     def _make_file_arena(self, plan: Plan) -> SharedArena | None:
-        """Rank 0 makes a file in /dev/shm and names it to the others, every rank maps
-        it, and once all say they did rank 0 unlinks it (so it goes with the last
-        process, however the job ends). Both exchanges are checked collectives on the
-        lane; None on every rank when any rank could not map it."""
+        """A file in /dev/shm that every rank maps (`node_segment.share_file`), through
+        two checked collectives on the lane; None on every rank when any rank lacks it."""
         sizes = self._group_bytes(plan)
         rank, size = self.grad_lane.rank, self.grad_lane.size
         nbytes = file_bytes(size, sizes)
-        path = create_file(nbytes, "grads") if rank == 0 else None
-        if rank == 0 and path is None:
+        names = iter(("grad.shm.file", "grad.shm.mapped"))
+
+        def allgather(obj: Any) -> list[Any]:
+            every: list[Any] = self.loop.run(partial(self.lane.allgather_object, obj,
+                                                     name=next(names)))
+            return every
+
+        mapping, missing = share_file(rank, nbytes, "grads", allgather)
+        if mapping is not None:
+            return SharedArena.over_file(rank, size, mapping, sizes)
+        if rank == 0 and missing is None:
             log.warning("gradient buckets stay on the transport: no file of %d MiB fits in "
                         "/dev/shm (%d MiB free)", nbytes >> 20, free_bytes() >> 20)
-        mapping = None
-        try:
-            paths = self.loop.run(partial(self.lane.allgather_object, path,
-                                          name="grad.shm.file"))
-            mapping = map_file(paths[0], nbytes) if paths[0] else None
-            mapped = self.loop.run(partial(self.lane.allgather_object, mapping is not None,
-                                           name="grad.shm.mapped"))
-        finally:
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        if not all(mapped):
-            if paths[0] is not None and rank == 0:
-                log.warning("gradient buckets stay on the transport: ranks %s could not map "
-                            "%s", [q for q, ok in enumerate(mapped) if not ok], paths[0])
-            return None
-        return SharedArena.over_file(rank, size, mapping, sizes)
+        elif rank == 0:
+            log.warning("gradient buckets stay on the transport: ranks %s could not map "
+                        "the /dev/shm file", missing)
+        return None
 
     def _horovod_groups(self) -> bool:
         """The lane's transport takes buckets as groups of handed tensors (`grouped`)."""
