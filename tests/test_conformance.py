@@ -94,8 +94,10 @@ def _suite(nranks: int, file: str, tmp_path: Path, kind: str,
                   f"(compares times across ranks: deviations.toml [timing])")
             del regressions[test]
     detail = (tmp_path / "output.txt").read_text()[-4000:]
+    ranks = "\n".join(f"{test}: {'; '.join(conformance.per_rank(tmp_path, nranks, test))}"
+                      for test in sorted(regressions))
     assert not regressions, (f"{where}: {counts}; passing on Horovod but "
-                             f"not here: {regressions}\n{detail}")
+                             f"not here: {regressions}\n{ranks}\n{detail}")
     assert not summary["timed_out"], f"the job hit its timeout: {counts}\n{detail}"
     print(f"{where}: {counts} in {summary['seconds']} s")
 

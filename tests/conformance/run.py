@@ -84,6 +84,22 @@ def read_log(path: Path) -> dict[str, str]:
     return outcomes
 
 
+def per_rank(out: Path, nranks: int, test: str) -> list[str]:
+    """What each rank reported for `test`: its outcome and the last line of its failure
+    (which rank failed an assertion and which waited for it until the timeout)."""
+    said = []
+    for r in range(nranks):
+        path, seen = out / f"rank{r}.jsonl", "missing"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            row = json.loads(line)
+            if row["test"] == test and (row["outcome"] == "failed" or seen == "missing"):
+                lines = row.get("detail", "").strip().splitlines()
+                errors = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
+                seen = f"{row['outcome']} {(errors or lines or [''])[-1][:160]}".strip()
+        said.append(f"rank {r}: {seen}")
+    return said
+
+
 def merge(ranks: list[dict[str, str]]) -> dict[str, str]:
     names = sorted(set().union(*ranks)) if ranks else []
     merged: dict[str, str] = {}
