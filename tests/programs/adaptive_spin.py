@@ -2,8 +2,11 @@
 
     adaptive_spin.py [--trio]
 
-A staged allreduce (too big to ride inline, e.g. 64 KiB) is a header round and
-then a data allreduce, both from one call. Its header round used to feed the
+A staged allreduce (too big to ride inline, and here, at 512 KiB, above what a
+node's ranks fold through their shared segment in the C round) is a header round and
+then a data allreduce, both from one call. Its data allreduce takes several times its
+header round here, so a record of headers alone stands well apart from the calls'
+own times, whose Python around the engine (more of it on trio) is a small share. Its header round used to feed the
 channel's latency record, so the median was the header's time and the spin
 never grew past the default across hosts (netrig: a 64 KiB allreduce stayed at
 ~540 us with Open MPI against ~310 us once the whole op counted). Here the
@@ -22,7 +25,7 @@ from _common import report, run
 
 import asynclock
 
-N = (64 << 10) // 4
+N = (512 << 10) // 4
 
 
 async def timed_calls(c: asynclock.Coordinator, n: int, late_s: float = 0.0) -> list[float]:
