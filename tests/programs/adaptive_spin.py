@@ -2,16 +2,13 @@
 
     adaptive_spin.py [--trio]
 
-A staged allreduce (too big to ride inline, and here, at 512 KiB, above what a
-node's ranks fold through their shared segment in the C round) is a header round and
-then a data allreduce, both from one call. Its data allreduce takes several times its
-header round here, so a record of headers alone stands well apart from the calls'
-own times, whose Python around the engine (more of it on trio) is a small share. Its header round used to feed the
-channel's latency record, so the median was the header's time and the spin
-never grew past the default across hosts (netrig: a 64 KiB allreduce stayed at
-~540 us with Open MPI against ~310 us once the whole op counted). Here the
-recorded times must be those of the whole calls; and calls that wait for a
-late rank must leave the channel at the default spin, not burn a core.
+A staged allreduce (too big to ride inline; at 512 KiB also above what a node's
+ranks fold through their shared segment in the C round) is a header round and then
+a data allreduce, both from one call. Its data allreduce takes several times its
+header round, so a record of headers alone stands well apart from the calls' own
+times, of which the Python around the engine (more of it on trio) is a small share.
+The recorded times must be those of the whole calls; and calls that wait for a late
+rank must leave the channel at the default spin, not burn a core.
 """
 
 from __future__ import annotations
