@@ -34,6 +34,7 @@ def test_collectives_benchmark_writes_its_figures(tmp_path: Path) -> None:
         assert any(r["system"] == "horovod" for r in rows), job.explain()
 
 
+@pytest.mark.slow
 def test_training_benchmark_runs_horovod_only_in_its_own_windows(tmp_path: Path) -> None:
     """bench/train.py shuts Horovod down between its windows (its idle background
     thread spins on the cores the other methods train on) and starts it again for

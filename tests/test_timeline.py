@@ -325,7 +325,7 @@ def test_import_asynclock_stays_light() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_horovod_script_is_traced_by_the_switch_alone(tmp_path: Path, gated: bool) -> None:
     """ASYNCLOCK_TIMELINE (via --timeline) records a Horovod-style script's forward,
     backward window, bucket pack/unpack, optimizer and gradient allreduces."""
