@@ -12,7 +12,7 @@ pytestmark = pytest.mark.mpi
 
 # Small sizes take the window here, so odd sizes and every dtype stay quick.
 SMALL = {"ASYNCLOCK_THREAD_MIN_BYTES": "4096", "ASYNCLOCK_WINDOW_MIN_BYTES": "4096"}
-LABELS = ("ops", "cancelled", "mismatch", "process_set")
+LABELS = ("ops", "cancelled", "together", "mismatch", "process_set")
 
 
 @pytest.mark.parametrize("kind, nranks, loop", crossed([(2, "asyncio"), (4, "trio")]))
@@ -29,6 +29,6 @@ def test_window_switched_off_leaves_allreduces_to_mpi() -> None:
 
 
 @pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
-def test_default_sizes_leave_open_mpis_mid_band_to_its_allreduce(kind: str) -> None:
+def test_default_sizes_take_the_window_on_the_loop_or_in_the_thread(kind: str) -> None:
     job = run_job("window_band.py", 2, timeout=120, kind=kind)
     assert_labels(job, 2, "band")

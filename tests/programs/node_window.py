@@ -26,6 +26,7 @@ from _common import report, run
 from mpi4py import MPI
 
 import asynclock
+from asynclock._core.transports.mpi import WINDOW_LOOP_HI
 
 OFF = "--off" in sys.argv
 DTYPES = [np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.int64]
@@ -108,6 +109,21 @@ async def check_cancelled(c: asynclock.Coordinator) -> None:
     check(first.numpy(), reference("sum", n, np.float64, c.size), "the cancelled allreduce")
 
 
+async def check_in_flight_together(c: asynclock.Coordinator) -> None:
+    """Allreduces in flight together, the loop's and the wait thread's (from
+    WINDOW_LOOP_HI on) in turn: each path waits for the other's allreduce of the window
+    before its own, so every rank runs them in issue order whichever path it takes."""
+    sizes = [70_001, WINDOW_LOOP_HI // 8 + 3, 4099, 50_001, WINDOW_LOOP_HI // 4 + 1, 20_003]
+    inputs = [contribution(c.rank, n, np.float64 if i % 2 else np.int32, "sum")
+              for i, n in enumerate(sizes)]
+    handles = [c.allreduce_async(a) for a in inputs]
+    results = [await h for h in handles]
+    for i, (n, got) in enumerate(zip(sizes, results)):
+        check(got, reference("sum", n, np.float64 if i % 2 else np.int32, c.size),
+              f"allreduce {i} of {len(sizes)} in flight together")
+    same_everywhere(results)
+
+
 async def check_mismatch(c: asynclock.Coordinator) -> None:
     """Sizes that differ by rank fail in the header round, on every rank, before the
     window sees them; the window serves the next allreduce as before."""
@@ -137,6 +153,8 @@ async def main() -> None:
         report(c.rank, "ops", f"{count} allreduces")
         await check_cancelled(c)
         report(c.rank, "cancelled")
+        await check_in_flight_together(c)
+        report(c.rank, "together")
         await check_mismatch(c)
         report(c.rank, "mismatch")
         await check_process_set(c)
@@ -145,7 +163,10 @@ async def main() -> None:
         if OFF:
             assert windows == 0, f"{windows} allreduces went through a window switched off"
         else:  # all but those of the removed set, whose channel is gone
-            assert windows >= count + 3, f"only {windows} of {count + 3} through the window"
+            assert windows >= count + 9, f"only {windows} of {count + 9} through the window"
+            # once the window is made, an awaited allreduce runs on the loop, step by step
+            polled = c.backend.window_loop_calls()  # type: ignore[attr-defined]
+            assert polled >= count // 2, f"only {polled} of {count} run on the loop"
         report(c.rank, "done", f"{windows} through the window")
 
 

@@ -2,11 +2,13 @@
 
     window_band.py
 
-Open MPI: its own allreduce, in the wait thread, takes the sizes of `OPEN_MPI_BAND`,
-the node window the rest. MPICH: below `MPICH_LOOP_HI` the allreduce stays on the
-loop (its non-blocking call, polled), no wait thread and no window; the window takes
-every size from there. Each result must be the sum over ranks, and the counts of
-window calls and of stages handed to the wait thread must match.
+Open MPI: the node window takes every size. The first allreduce that needs a larger
+window makes it in the wait thread, as does every allreduce from `WINDOW_LOOP_HI` on;
+an awaited one below it, in a window already large enough, runs on the loop step by
+step. MPICH: below `MPICH_LOOP_HI` the allreduce stays on the loop (its non-blocking
+call, polled), no wait thread and no window; the window takes every size from there,
+in the wait thread. Each result must be the sum over ranks, and the counts of window
+calls, of those run on the loop and of stages handed to the wait thread must match.
 """
 
 from __future__ import annotations
@@ -16,19 +18,27 @@ from _common import report, run
 from mpi4py import MPI
 
 import asynclock
-from asynclock._core.transports.mpi import MPICH_LOOP_HI, OPEN_MPI_BAND
+from asynclock._core.transports.mpi import MPICH_LOOP_HI, WINDOW_LOOP_HI
 
-SIZES = sorted({1 << 20, OPEN_MPI_BAND[0], MPICH_LOOP_HI - 4, MPICH_LOOP_HI,
-                OPEN_MPI_BAND[1] - 4, OPEN_MPI_BAND[1]})
+MIB = 1 << 20
+# in order: make the window, grow it, then the loop's sizes, then the thread's again
+SIZES = [MIB, 4 * MIB, 4 * MIB, MIB, MPICH_LOOP_HI - 4, MPICH_LOOP_HI, 32 * MIB]
 
 
-def expected(nbytes: int) -> tuple[bool, bool]:
-    """(through the window, in the wait thread) for an allreduce of `nbytes`."""
-    if "Open MPI" in MPI.Get_library_version():
-        lo, hi = OPEN_MPI_BAND
-        return not lo <= nbytes < hi, True
-    on_loop = nbytes < MPICH_LOOP_HI
-    return not on_loop, not on_loop
+def expected() -> tuple[int, int, int]:
+    """(through the window, of them on the loop, in the wait thread) for `SIZES`."""
+    windows = loop = threaded = 0
+    capacity = 0
+    for nbytes in SIZES:
+        if "Open MPI" not in MPI.Get_library_version() and nbytes < MPICH_LOOP_HI:
+            continue  # MPICH's non-blocking allreduce, on the loop
+        windows += 1
+        if nbytes < WINDOW_LOOP_HI and nbytes <= capacity:
+            loop += 1
+        else:
+            threaded += 1
+            capacity = max(capacity, nbytes)
+    return windows, loop, threaded
 
 
 async def main() -> None:
@@ -38,15 +48,12 @@ async def main() -> None:
             await c.allreduce_(t)
             want = c.size * (c.size + 1) / 2
             assert bool((t == want).all()), f"{nbytes} B: {t[:4]} != {want}"
-        windows = c.backend.window_calls()  # type: ignore[attr-defined]
-        threaded = c.statistics().thread_waits
-        want_windows = sum(expected(n)[0] for n in SIZES)
-        want_threaded = sum(expected(n)[1] for n in SIZES)
-        assert (windows, threaded) == (want_windows, want_threaded), (
-            f"{windows} window calls and {threaded} thread waits for {SIZES}, "
-            f"not {want_windows} and {want_threaded}")
-        report(c.rank, "band", f"{windows} of {len(SIZES)} through the window, "
-                               f"{threaded} in the wait thread")
+        got = (c.backend.window_calls(), c.backend.window_loop_calls(),  # type: ignore[attr-defined]
+               c.statistics().thread_waits)
+        assert got == expected(), (f"{SIZES}: window, on the loop, wait thread {got}, "
+                                   f"not {expected()}")
+        report(c.rank, "band", f"of {len(SIZES)}: {got[0]} through the window, {got[1]} of "
+                               f"them on the loop, {got[2]} in the wait thread")
     report(c.rank, "done")
 
 

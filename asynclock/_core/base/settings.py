@@ -75,9 +75,9 @@ DECLARED: tuple[Setting, ...] = (
        "`ASYNCLOCK_SHM`, still read when it is unset (0 in either turns the window off).",
        agree=True, replaces=("WINDOW", "SHM")),
     _s("WINDOW_MIN_BYTES", "number", "1048576", "Smallest allreduce the node window takes "
-       "(none below `ASYNCLOCK_THREAD_MIN_BYTES`: it runs in the wait thread). Unset, on one "
-       "node under Open MPI, allreduces from 2 MiB to under 32 MiB take Open MPI's own "
-       "allreduce instead.", agree=True),
+       "(none below `ASYNCLOCK_THREAD_MIN_BYTES`). It runs in the wait thread, or on the "
+       "loop for an allreduce a caller awaits below 8 MiB on one node once the window is "
+       "made.", agree=True),
     _s("SYNC_LEASE", "flag", "1", "Locks may stay cached at the rank that used them last "
        "(0: every acquire asks the lock's home rank).", agree=True),
     _s("WATCHDOG", "flag", "1", "Heartbeats between ranks and the stall inspector.",

@@ -17,7 +17,9 @@ every in-flight request. Policy (`bench/collectives.py` measures it):
   (`transports.settle`); the thread wakes the poller when done. An allreduce
   that a caller awaits stays on the loop in its channel's loop band
   (`Channel.loop_band`: mid sizes under MPICH on one node), where the
-  non-blocking call, polled, beats the two hand-overs between threads.
+  non-blocking call, polled, beats the two hand-overs between threads; on
+  one node a mid-size one through the node window may run there too, step
+  by step (`node_window.LoopAllreduce`).
 """
 
 from __future__ import annotations
@@ -268,12 +270,12 @@ class Engine:
         transport = op.lane.transport
         bulk = self._waiters is not None and (op.wait_in_thread or self.policy.waits_in_thread(
             op.stage_bytes, _loop_band(op, transport.loop_band)))
-        req = op.issue_next((transport.bulk_view() or transport) if bulk else transport)
+        req = op.issue_next(_bulk_view(op, transport) if bulk else transport)
         if self.on_event is not None:
             self.on_event("data", op, time.perf_counter())
         if req is None or op.state is State.DONE:
             return
-        if bulk and self._waiters is not None:
+        if bulk and self._waiters is not None and not getattr(req, "polled", False):
             op.threaded = True
             self._thread_waits += 1
             self._waiter_for(op.lane).put(op, req)
@@ -547,6 +549,32 @@ def _unmatched_by(op: Operation) -> tuple[int, ...] | None:
 
 def _sooner(timeout: float, cap: float | None) -> float:
     return timeout if cap is None else min(timeout, cap)
+
+
+def _bulk_view(op: Operation, transport: Any) -> Any:
+    """Where a bulk stage is issued: the channel's bulk view, whose allreduce a caller
+    awaits with a core to poll may come back as a request the loop polls
+    (`iallreduce_polled`: the node window's steps, on one node)."""
+    view = transport.bulk_view() or transport
+    if op.loop_banded() and not op.patient and not op.wait_in_thread and hasattr(
+            view, "iallreduce_polled"):
+        return _PolledView(view)
+    return view
+
+
+class _PolledView:
+    """A bulk view whose allreduces go through `iallreduce_polled`."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def iallreduce(self, send: Any, recv: Any, op: Any) -> Any:
+        return self._view.iallreduce_polled(send, recv, op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
 
 
 def _loop_band(op: Operation, band: tuple[int, int]) -> tuple[int, int]:

@@ -123,8 +123,7 @@ class MPIChannel:
         self._status = _mpi().Status()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
-        self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None,
-                                      one_node)
+        self._bulk_view = BulkChannel(self, gloo.bulk_group(name) if gloo is not None else None)
         self.loop_band = _loop_band(one_node)
         self._node_data: Any = None  # `use_node_data`
         # CUDA tensors' data stages (`engine.device_pg`): NCCL, or gloo in its CPU twin
@@ -290,6 +289,10 @@ class MPIBackend:
         """Bulk allreduces that went through a node window so far (all channels)."""
         return sum(ch.bulk_view().window_calls() for ch in self._channels)
 
+    def window_loop_calls(self) -> int:
+        """Of those, the allreduces the loop ran step by step (`NodeWindow.on_loop`)."""
+        return sum(ch.bulk_view().window_loop_calls() for ch in self._channels)
+
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"
@@ -307,10 +310,10 @@ class MPIBackend:
             comm.Free()
 
 
-# On one node Open MPI's own allreduce (shared-memory single copy) beats the node
-# window for mid sizes, and the window beats it below and above them (figures: the
-# benchmarks page): allreduces of [lo, hi) bytes skip the window there.
-OPEN_MPI_BAND = (2 << 20, 32 << 20)
+# Window allreduces a waiting caller's poller may run on the loop (`NodeWindow.on_loop`):
+# each of its steps blocks the loop for one copy or fold of the size (about 0.3 ms at
+# 4 MiB on the project's VM).
+WINDOW_LOOP_HI = 8 << 20
 
 
 # On one node MPICH's non-blocking allreduce, tested without pause by the poller of a
@@ -333,16 +336,6 @@ def _loop_band(one_node: bool) -> tuple[int, int]:
     return (0, 0)
 
 
-def _mpi_band(one_node: bool) -> tuple[int, int]:
-    """The sizes the window leaves to MPI's own allreduce: none where
-    ASYNCLOCK_WINDOW_MIN_BYTES is set, or across nodes (where the window also
-    stripes the step between nodes over every local rank)."""
-    if one_node and not settings.is_set("ASYNCLOCK_WINDOW_MIN_BYTES") and (
-            "Open MPI" in _mpi().Get_library_version()):
-        return OPEN_MPI_BAND
-    return (0, 0)
-
-
 class BulkChannel:
     """Collectives on the channel's `bulk` communicator, run and waited for in the
     engine's wait thread (see `Deferred` for why bulk data goes there, and
@@ -351,7 +344,7 @@ class BulkChannel:
     where a node holds several ranks; and `gloo_bulk` for why allreduces across
     hosts may go through gloo)."""
 
-    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None, one_node: bool = False) -> None:
+    def __init__(self, chan: MPIChannel, gloo: GlooGroup | None) -> None:
         self.name, self.rank, self.size = chan.name, chan.rank, chan.size
         self._c = chan.bulk
         self.gloo = gloo
@@ -360,13 +353,11 @@ class BulkChannel:
         windowed = settings.flag("ASYNCLOCK_NODE_WINDOW") and gloo_mode() != "gloo"
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
-        self._mpi_band = _mpi_band(one_node)
 
-    def _windowed(self, window: NodeWindow, recv: Array) -> bool:
-        """This allreduce goes through the window: agreed facts only (size, dtype, the
-        channel's layout, the MPI library, which every rank of a job shares)."""
-        lo, hi = self._mpi_band
-        return window.takes(recv) and not lo <= recv.nbytes < hi
+    @staticmethod
+    def _windowed(window: NodeWindow, recv: Array) -> bool:
+        """This allreduce goes through the window: agreed facts only (size, dtype)."""
+        return window.takes(recv)
 
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
@@ -374,15 +365,35 @@ class BulkChannel:
     def window_calls(self) -> int:
         return self.window.calls if self.window is not None else 0
 
+    def window_loop_calls(self) -> int:
+        return self.window.loop_calls if self.window is not None else 0
+
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         window = self.window
         if window is not None and self._windowed(window, recv):
+            window.handed += 1
             return Deferred(lambda: self._through_window(window, send, recv, op))
         return Deferred(lambda: self._allreduce(send, recv, op))
 
+    def iallreduce_polled(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
+        """`iallreduce` for a caller that awaits it with a core to poll: below
+        `WINDOW_LOOP_HI` on one node, a window allreduce the loop runs step by step
+        (`NodeWindow.on_loop`), which skips the hand-overs to the wait thread and
+        back; otherwise, or until the window is made, the wait thread's."""
+        window = self.window
+        if window is not None and recv.nbytes < WINDOW_LOOP_HI and self._windowed(window, recv):
+            polled = window.on_loop(send, recv, op)
+            if polled is not None:
+                return polled
+        return self.iallreduce(send, recv, op)
+
     def _through_window(self, window: NodeWindow, send: Array | None, recv: Array,
                         op: ReduceOp) -> None:
-        if not window.allreduce(send, recv, op):  # no node here holds several ranks
+        try:
+            through = window.allreduce(send, recv, op)
+        finally:
+            window.ended += 1
+        if not through:  # no node here holds several ranks
             self._allreduce(send, recv, op)
 
     def _allreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> None:

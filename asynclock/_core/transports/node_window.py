@@ -35,6 +35,18 @@ learned by a collective at the channel's first such allreduce, and every
 rank learns the same. The whole allreduce runs in the channel's wait thread
 (`engine.wait_thread`), in the channel's agreed order; numpy's copies and
 sums release the GIL, so the loop keeps running.
+
+A mid-size allreduce that a caller awaits may instead run on the loop, as a
+request the caller's poller tests (`on_loop`): each test takes the next step
+whose peers are there and never waits, which saves the two hand-overs between
+threads, each a wake-up of a sleeping thread. It does so only on one node, in
+a window already made large enough, and with nothing of this window queued
+for the wait thread. An allreduce takes its epoch when it starts, the loop's
+when it is issued and the thread's when the thread reaches it, which is after
+every allreduce issued before it started; each waits for every rank's LEFT of
+the epoch before (its own rank's included) before it writes its region. So
+every rank runs the window's allreduces in issue order whichever path each
+takes, and ranks may take different paths for the same allreduce.
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ ARRIVED, REDUCED, LEFT = 1, 2, 3  # counters after `shared_window.ABORTED`
 GROW_STEP = 1 << 20  # regions grow in whole MiB, and by half at least
 FAILED = "a shared-window allreduce; every later one on this channel fails too"
 CLOSE_WAIT_S = 10.0  # how long closing waits for peers to finish the last allreduce
+LOOP_STEPS = 3  # copy in, fold the own slice, copy out
 
 
 class NodeWindow:
@@ -68,6 +81,7 @@ class NodeWindow:
     def __init__(self, comm: Any, min_bytes: int, mpi_op: Callable[[ReduceOp], Any]) -> None:
         self.min_bytes = min_bytes
         self.calls = 0  # allreduces that went through the window
+        self.loop_calls = 0  # of them, those the loop ran (`on_loop`)
         self._comm, self._mpi_op = comm, mpi_op
         self._usable: bool | None = None  # learned at the first allreduce (collective)
         self._node: Any = None
@@ -76,12 +90,27 @@ class NodeWindow:
         self.rank = self.size = 0  # on the node
         self._capacity = 0  # bytes of every region
         self._epoch = 0  # allreduces through the current window
-        self._busy = False  # an allreduce is under way in the wait thread
+        self._busy = False  # an allreduce is under way (wait thread or loop)
+        # allreduces handed to the wait thread, and those it ended: each written by one
+        # thread only (the loop hands, the wait thread ends)
+        self.handed = self.ended = 0
 
     def takes(self, recv: Array) -> bool:
         """This allreduce goes to the window: decided from agreed facts only (size and
         dtype; every reduce op has a numpy twin)."""
         return recv.nbytes >= self.min_bytes and recv.dtype in WINDOW_DTYPES
+
+    def on_loop(self, send: Array | None, recv: Array, op: ReduceOp) -> LoopAllreduce | None:
+        """This allreduce as a request the loop polls, or None where it must run in the
+        wait thread: the window is not made yet, or too small, or spans nodes, or an
+        allreduce of it is queued there."""
+        win = self._win
+        if (win is None or not self._usable or self._cross.Get_size() > 1
+                or self.handed != self.ended or self._busy or recv.nbytes > self._capacity
+                or win.aborted()):
+            return None
+        return LoopAllreduce(self, (recv if send is None else send).reshape(-1),
+                             recv.reshape(-1), op)
 
     def allreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> bool:
         """Reduce `send` (None: `recv` itself) into `recv` over the communicator.
@@ -169,40 +198,124 @@ class NodeWindow:
     def _run(self, src: Array, out: Array, op: ReduceOp) -> None:
         win = self._win
         assert win is not None
-        n, me, epoch = self.size, self.rank, self._epoch
-        slices = [owned_slice(out.size, k, n) for k in range(n)]
-        views = [r[: out.nbytes].view(out.dtype) for r in win.regions]
-        mine = views[me]
+        epoch, plan = self._epoch, _Plan(win, self.rank, out)
         win.wait(LEFT, epoch - 1, FAILED)  # nobody still copies out of my region
-        for k, (a, z) in enumerate(slices):
-            if k != me:
-                mine[a:z] = src[a:z]
+        plan.copy_in(src)
         win.publish(ARRIVED, epoch)
-        lo, hi = slices[me]
         win.wait(ARRIVED, epoch, FAILED)
-        self._reduce_slice([src[lo:hi] if q == me else views[q][lo:hi] for q in range(n)],
-                           mine[lo:hi], op)
+        lo, hi = plan.fold(src, op)
         if self._cross.Get_size() > 1:
             from mpi4py import MPI
 
             settle(self._cross.Ibarrier())  # a late node is waited for asleep
-            self._cross.Allreduce(MPI.IN_PLACE, mine[lo:hi], self._mpi_op(op))
+            self._cross.Allreduce(MPI.IN_PLACE, plan.mine[lo:hi], self._mpi_op(op))
         win.publish(REDUCED, epoch)
         win.wait(REDUCED, epoch, FAILED)
-        for k, (a, z) in enumerate(slices):
-            out[a:z] = views[k][a:z]
+        plan.copy_out(out)
         win.publish(LEFT, epoch)
-
-    @staticmethod
-    def _reduce_slice(parts: list[Array], acc: Array, op: ReduceOp) -> None:
-        """Fold `parts` (local rank order) into `acc`: the same order on every node."""
-        fold = ufunc(op)
-        fold(parts[0], parts[1], out=acc)
-        for part in parts[2:]:
-            fold(acc, part, out=acc)
 
     def _abort(self) -> None:
         """This rank failed mid-allreduce: its peers fail instead of waiting for it,
         and so does every later allreduce through this window, on every rank."""
         if self._win is not None:
             self._win.abort()
+
+
+class _Plan:
+    """One allreduce's slices and views of the window: its three data steps."""
+
+    def __init__(self, win: SharedWindow, me: int, out: Array) -> None:
+        n = win.size
+        self.me = me
+        self.slices = [owned_slice(out.size, k, n) for k in range(n)]
+        self.views = [r[: out.nbytes].view(out.dtype) for r in win.regions]
+        self.mine = self.views[me]
+
+    def copy_in(self, src: Array) -> None:
+        """Every slice but my own into my region, for its owner to fold."""
+        for k, (a, z) in enumerate(self.slices):
+            if k != self.me:
+                self.mine[a:z] = src[a:z]
+
+    def fold(self, src: Array, op: ReduceOp) -> tuple[int, int]:
+        """Fold my slice over every rank, in local rank order (the same order on every
+        node), my own part read from `src`, into my region; returns the slice."""
+        lo, hi = self.slices[self.me]
+        parts = [src[lo:hi] if q == self.me else v[lo:hi] for q, v in enumerate(self.views)]
+        fold, acc = ufunc(op), self.mine[lo:hi]
+        fold(parts[0], parts[1], out=acc)
+        for part in parts[2:]:
+            fold(acc, part, out=acc)
+        return lo, hi
+
+    def copy_out(self, out: Array) -> None:
+        """Every folded slice from its owner's region."""
+        for k, (a, z) in enumerate(self.slices):
+            out[a:z] = self.views[k][a:z]
+
+
+class LoopAllreduce:
+    """A window allreduce on one node that the loop polls (`NodeWindow.on_loop`): each
+    `Test` takes the next steps whose peers are there, and never waits."""
+
+    polled = True  # the engine polls it on the loop, never hands it to the wait thread
+
+    def __init__(self, window: NodeWindow, src: Array, out: Array, op: ReduceOp) -> None:
+        assert window._win is not None
+        self._window, self._win = window, window._win
+        self._src, self._out, self._op = src, out, op
+        window._busy = True
+        window._epoch += 1
+        self._epoch, self._step, self._over = window._epoch, 0, False
+        self._plan = _Plan(self._win, window.rank, out)
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
+        if self._over:
+            return True
+        try:
+            while self._step < LOOP_STEPS:
+                if not self._ready():
+                    return False
+                self._take_step()
+        except BaseException:
+            self._window._abort()
+            self._end()
+            raise
+        self._window.calls += 1
+        self._window.loop_calls += 1
+        self._end()
+        return True
+
+    def Wait(self) -> None:  # noqa: N802 - the engine polls it; kept for the protocol
+        while not self.Test():
+            self._win.wait((LEFT, ARRIVED, REDUCED)[self._step], self._awaited(), FAILED)
+
+    def _awaited(self) -> int:
+        return self._epoch - 1 if self._step == 0 else self._epoch
+
+    def _ready(self) -> bool:
+        """The peers reached what my next step reads (raises if one failed)."""
+        counter = (LEFT, ARRIVED, REDUCED)[self._step]
+        if self._win.least(counter) >= self._awaited():
+            return True
+        failed = self._win.aborted()
+        if failed:
+            raise BackendError(f"node rank {failed[0]} failed in {FAILED}")
+        return False
+
+    def _take_step(self) -> None:
+        win, epoch, plan = self._win, self._epoch, self._plan
+        if self._step == 0:
+            plan.copy_in(self._src)
+            win.publish(ARRIVED, epoch)
+        elif self._step == 1:
+            plan.fold(self._src, self._op)
+            win.publish(REDUCED, epoch)
+        else:
+            plan.copy_out(self._out)
+            win.publish(LEFT, epoch)
+        self._step += 1
+
+    def _end(self) -> None:
+        self._over = True
+        self._window._busy = False
