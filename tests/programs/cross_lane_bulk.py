@@ -7,8 +7,8 @@ respect to each other. Bulk stages (>= 1 MiB) run blocking in a wait thread;
 when every lane shared one thread, rank 0 blocked in lane A's allreduce
 while rank 1 blocked in lane B's, and neither could finish (the stall
 report ended the job). Each lane now has its own wait thread. Here the
-world lane and a process set's lane (all ranks) allreduce 4 MiB
-concurrently, and alternate rounds delay a different rank on each lane,
+world lane and a process set's lane (all ranks) allreduce 8 MiB (from
+`WINDOW_LOOP_HI` on, so no allreduce runs on the loop instead) concurrently, and alternate rounds delay a different rank on each lane,
 so the arrival order differs across ranks. Removing the set ends its thread.
 """
 
@@ -21,9 +21,10 @@ import numpy as np
 from _common import report, run
 
 import asynclock
+from asynclock._core.transports.mpi import WINDOW_LOOP_HI
 
 ROUNDS = 12
-N = (4 << 20) // 4
+N = WINDOW_LOOP_HI // 4
 
 
 async def one_round(c: asynclock.Coordinator, api: object, i: int) -> None:
