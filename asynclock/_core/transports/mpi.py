@@ -317,13 +317,14 @@ WINDOW_LOOP_HI = 8 << 20
 
 
 # On one node MPICH's non-blocking allreduce, tested without pause by the poller of a
-# caller that awaits it, moves mid sizes faster than the wait thread's blocking call
-# with its two hand-overs between threads, and slower from 8 MiB (figures: the
-# benchmarks page): allreduces below `MPICH_LOOP_HI` stay on the loop there. Their
-# data stage starts once the header round has seen every rank, so no rank's poller
-# has fallen back to sleeping between tests while the data moves (its tight phase,
-# `ProgressPolicy.busy_s`, outlasts such a transfer on one node).
-MPICH_LOOP_HI = 8 << 20
+# caller that awaits it, moves 1 MiB faster than the wait thread's blocking call with
+# its two hand-overs between threads, and than the node window's steps on the loop,
+# which are faster from 2 MiB (figures: the benchmarks page): allreduces below
+# `MPICH_LOOP_HI` stay with it there. Their data stage starts once the header round
+# has seen every rank, so no rank's poller has fallen back to sleeping between tests
+# while the data moves (its tight phase, `ProgressPolicy.busy_s`, outlasts such a
+# transfer on one node).
+MPICH_LOOP_HI = 2 << 20
 
 
 def _loop_band(one_node: bool) -> tuple[int, int]:
