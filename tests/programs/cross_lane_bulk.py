@@ -7,9 +7,10 @@ respect to each other. Bulk stages (>= 1 MiB) run blocking in a wait thread;
 when every lane shared one thread, rank 0 blocked in lane A's allreduce
 while rank 1 blocked in lane B's, and neither could finish (the stall
 report ended the job). Each lane now has its own wait thread. Here the
-world lane and a process set's lane (all ranks) allreduce 8 MiB (from
-`WINDOW_LOOP_HI` on, so no allreduce runs on the loop instead) concurrently, and alternate rounds delay a different rank on each lane,
-so the arrival order differs across ranks. Removing the set ends its thread.
+world lane and a process set's lane (all ranks) allreduce 8 MiB concurrently
+(from `WINDOW_LOOP_HI` on, so none runs on the loop instead), and alternate
+rounds delay a different rank on each lane, so the arrival order differs
+across ranks. Removing the set ends its thread.
 """
 
 from __future__ import annotations

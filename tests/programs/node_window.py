@@ -118,7 +118,7 @@ async def check_in_flight_together(c: asynclock.Coordinator) -> None:
               for i, n in enumerate(sizes)]
     handles = [c.allreduce_async(a) for a in inputs]
     results = [await h for h in handles]
-    for i, (n, got) in enumerate(zip(sizes, results)):
+    for i, (n, got) in enumerate(zip(sizes, results, strict=True)):
         check(got, reference("sum", n, np.float64 if i % 2 else np.int32, c.size),
               f"allreduce {i} of {len(sizes)} in flight together")
     same_everywhere(results)
