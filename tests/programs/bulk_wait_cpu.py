@@ -3,8 +3,9 @@
     bulk_wait_cpu.py [--trio] [--fp16] [--bcast]
 
 Run with ASYNCLOCK_NODE_WINDOW=0 (the stage goes over MPI, not the node window) and
-ASYNCLOCK_SPIN_US=0. The last rank issues a 4 MiB allreduce (or a 16-bit one: the
-ring, or a broadcast), tells rank 0 through a plain MPI message, then blocks its
+ASYNCLOCK_SPIN_US=0. The last rank issues a 4 MiB allreduce (1 MiB with --on-loop;
+or a 16-bit one: the ring, or a broadcast), tells rank 0 through a plain MPI message,
+then blocks its
 own loop for LATE_S, so its poller issues its data stage only then. Rank 0 issues
 the same call at once: its header round finds every header already sent and
 completes, and its data stage waits in the wait thread until the late rank
@@ -24,7 +25,8 @@ from mpi4py import MPI
 import asynclock
 
 LATE_S = 1.5
-N = (4 << 20) // 4
+# --on-loop: inside MPICH's loop band (`mpi.MPICH_LOOP_HI`), from the wait thread's size
+N = (1 << 20) // 4 if "--on-loop" in sys.argv else (4 << 20) // 4
 MAX_CPU_SHARE = 0.3
 
 

@@ -87,10 +87,10 @@ async def main() -> None:
         store = c.backend._gloo  # type: ignore[attr-defined]
         least = store.min_bytes if choice.startswith("gloo") and store is not None else None
         if least == 0:
-            # every allreduce the wait thread runs: on one node (`measure`) the node
-            # window and the loop take some of these sizes before a wait thread would
-            # (`netrig` counts them exactly across hosts, where none do)
-            assert 0 < calls <= len(sizes), f"{calls} gloo calls of {len(sizes)} ({choice})"
+            # every allreduce the wait thread runs over MPI: on one node (`measure`) the
+            # node window takes these sizes first, so gloo may get none of them
+            # (`netrig` counts them exactly across hosts, where the window has no use)
+            assert 0 <= calls <= len(sizes), f"{calls} gloo calls of {len(sizes)} ({choice})"
         else:
             want = 0 if least is None else sum(n >= least for n in sizes) + half
             assert calls == want, f"{calls} gloo calls, want {want} ({choice})"
