@@ -355,11 +355,6 @@ class BulkChannel:
         self.window = NodeWindow(self._c, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")),
                                  _mpi_op) if windowed else None
 
-    @staticmethod
-    def _windowed(window: NodeWindow, recv: Array) -> bool:
-        """This allreduce goes through the window: agreed facts only (size, dtype)."""
-        return window.takes(recv)
-
     def gloo_calls(self) -> int:
         return self.gloo.calls if self.gloo is not None else 0
 
@@ -371,7 +366,7 @@ class BulkChannel:
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         window = self.window
-        if window is not None and self._windowed(window, recv):
+        if window is not None and window.takes(recv):
             window.handed += 1
             return Deferred(lambda: self._through_window(window, send, recv, op))
         return Deferred(lambda: self._allreduce(send, recv, op))
@@ -382,7 +377,7 @@ class BulkChannel:
         (`NodeWindow.on_loop`), which skips the hand-overs to the wait thread and
         back; otherwise, or until the window is made, the wait thread's."""
         window = self.window
-        if window is not None and recv.nbytes < WINDOW_LOOP_HI and self._windowed(window, recv):
+        if window is not None and recv.nbytes < WINDOW_LOOP_HI and window.takes(recv):
             polled = window.on_loop(send, recv, op)
             if polled is not None:
                 return polled

@@ -72,7 +72,9 @@ ARRIVED, REDUCED, LEFT = 1, 2, 3  # counters after `shared_window.ABORTED`
 GROW_STEP = 1 << 20  # regions grow in whole MiB, and by half at least
 FAILED = "a shared-window allreduce; every later one on this channel fails too"
 CLOSE_WAIT_S = 10.0  # how long closing waits for peers to finish the last allreduce
-LOOP_STEPS = 3  # copy in, fold the own slice, copy out
+# what each step of a loop allreduce (copy in, fold the own slice, copy out) waits for:
+# every rank's counter past the epoch before, then at this epoch
+STEP_WAITS = (LEFT, ARRIVED, REDUCED)
 
 
 class NodeWindow:
@@ -273,7 +275,7 @@ class LoopAllreduce:
         if self._over:
             return True
         try:
-            while self._step < LOOP_STEPS:
+            while self._step < len(STEP_WAITS):
                 if not self._ready():
                     return False
                 self._take_step()
@@ -288,20 +290,16 @@ class LoopAllreduce:
 
     def Wait(self) -> None:  # noqa: N802 - the engine polls it; kept for the protocol
         while not self.Test():
-            self._win.wait((LEFT, ARRIVED, REDUCED)[self._step], self._awaited(), FAILED)
+            self._win.wait(*self._awaits(), FAILED)
 
-    def _awaited(self) -> int:
-        return self._epoch - 1 if self._step == 0 else self._epoch
+    def _awaits(self) -> tuple[int, int]:
+        """The counter and value every rank must reach before my next step."""
+        return STEP_WAITS[self._step], self._epoch - 1 if self._step == 0 else self._epoch
 
     def _ready(self) -> bool:
-        """The peers reached what my next step reads (raises if one failed)."""
-        counter = (LEFT, ARRIVED, REDUCED)[self._step]
-        if self._win.least(counter) >= self._awaited():
-            return True
-        failed = self._win.aborted()
-        if failed:
-            raise BackendError(f"node rank {failed[0]} failed in {FAILED}")
-        return False
+        """The peers reached what my next step reads: the window's wait, without
+        waiting (it raises if one failed)."""
+        return self._win.wait(*self._awaits(), FAILED, 0.0)
 
     def _take_step(self) -> None:
         win, epoch, plan = self._win, self._epoch, self._plan
