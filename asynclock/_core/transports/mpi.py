@@ -311,8 +311,8 @@ class MPIBackend:
 
 
 # Window allreduces a waiting caller's poller may run on the loop (`NodeWindow.on_loop`):
-# each of its steps blocks the loop for one copy or fold of the size (about 0.3 ms at
-# 4 MiB on the project's VM).
+# each of its steps blocks the loop for one copy or fold of the size, so larger ones
+# stay in the wait thread (figures: the benchmarks page).
 WINDOW_LOOP_HI = 8 << 20
 
 
