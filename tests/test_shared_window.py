@@ -13,12 +13,15 @@ from pathlib import Path
 import pytest
 from mpijob import MPI_KIND, OTHER_KINDS, assert_labels, run_job
 
+from asynclock._core.base import futex
 from asynclock._core.transports.node_segment import create_file, free_bytes, map_file
 from asynclock._core.transports.shared_window import (
     BELL_OFFSET,
     COUNTERS,
     CTL_BYTES,
+    SLEEPERS_OFFSET,
     SharedWindow,
+    fence,
     owned_slice,
 )
 
@@ -42,15 +45,53 @@ def test_slices_cover_the_items_once_in_rank_order(n: int) -> None:
 
 
 def test_control_block_layout() -> None:
-    """Counters, then the bell on a cache line of its own, then the region on a page."""
+    """Counters, then the bell and the sleepers' count on cache lines of their own, then
+    the region on a page."""
     memory = [bytearray(CTL_BYTES + 64) for _ in range(2)]
     win = SharedWindow(1, memory, 64, lambda: None)
     assert COUNTERS * 8 <= BELL_OFFSET and BELL_OFFSET % 64 == 0 and CTL_BYTES % 4096 == 0
+    assert SLEEPERS_OFFSET >= BELL_OFFSET + 64 and SLEEPERS_OFFSET % 64 == 0
     win.publish(COUNTERS - 1, 5)
     assert win.peek(COUNTERS - 1) == [0, 5] and win.least(COUNTERS - 1) == 0
     assert win.bells[0][0] != 0 and win.bells[1][0] == 0  # the peer's bell was rung
     win.regions[1][:] = 7
     assert bytes(memory[1][CTL_BYTES:]) == b"\x07" * 64 and not any(memory[0][CTL_BYTES:])
+
+
+def _in_futex_wait(thread: threading.Thread) -> bool:
+    """The thread is blocked in the futex system call (Linux x86-64: number 202)."""
+    try:
+        return Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().startswith("202 ")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not (futex.available and os.uname().machine == "x86_64"
+                         and Path("/proc/self/task").is_dir()),
+                    reason="needs Linux x86-64 futexes and /proc")
+def test_a_ring_wakes_only_where_a_thread_sleeps_on_the_bell(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A ring makes the futex wake only where the bell's owner has a thread asleep on
+    it, and that thread, blocked in the futex before the ring, wakes: one sleeping far
+    longer than the test would end by the ring alone."""
+    memory = [bytearray(CTL_BYTES + 64) for _ in range(2)]
+    wins = [SharedWindow(r, memory, 64, fence) for r in range(2)]
+    wakes: list[int] = []
+    real_wake = futex.wake
+    monkeypatch.setattr(futex, "wake", lambda address: (wakes.append(address),
+                                                        real_wake(address))[1])
+    wins[0].publish(1, 1)  # nobody asleep on rank 1's bell: no system call
+    assert wakes == [] and int(wins[1].sleepers[1][0]) == 0
+    bell = wins[1].bell()
+    thread = threading.Thread(target=wins[1].sleep, args=(bell, 60.0), daemon=True)
+    thread.start()
+    while not _in_futex_wait(thread):  # asleep in the kernel, on the bell as read
+        assert thread.is_alive()
+    assert int(wins[1].sleepers[1][0]) == 1
+    wins[0].publish(1, 2)
+    thread.join(20)
+    assert not thread.is_alive(), "a ring left a thread asleep on the bell"
+    assert wakes == [wins[0].bell_addresses[1]] and int(wins[1].sleepers[1][0]) == 0
 
 
 def test_a_window_over_a_shared_file_hands_data_and_wakes_across_mappings() -> None:

@@ -67,11 +67,10 @@ def wake(address: int) -> None:
                  None, None, 0)
 
 
-def ring(word: Any, address: int, writer: int, count: int) -> None:
+def stamp(word: Any, writer: int, count: int) -> None:
     """Write a value nobody wrote before into the bell `word` (a one-element uint32
-    array at `address`), then wake its sleepers. Several ranks may ring one bell at
-    once and a plain store is no atomic increment, so each value carries its writer
+    array); the caller wakes its sleepers (`wake`). Several ranks may stamp one bell
+    at once and a plain store is no atomic increment, so each value carries its writer
     (7 bits) and that writer's count (24 bits): whichever store lands last, the bell
     differs from what a sleeper read before it went to sleep."""
     word[0] = ((writer & 0x7F) << 24) | (count & 0xFFFFFF)
-    wake(address)

@@ -326,7 +326,9 @@ class Operation:
         lane = self.lane
         if compact_agreed(self._recv, self.fold):
             self.reduced = self._recv.view(np.uint8)[COMPACT_HEAD * 8:]
-            self._recv = np.tile(self.slot_words(), lane.size)
+            rows = np.empty((lane.size, SLOT_WORDS), np.int64)
+            rows[:] = self.slot_words()  # my slot as every rank's row
+            self._recv = rows.reshape(-1)
             self.phase = ROWS
             lane.issue_rows()
             self._on_header()

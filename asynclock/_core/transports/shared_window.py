@@ -22,7 +22,12 @@ here, once:
 * the bell: a rank that changes a counter rings every peer (`ring`), and a
   waiting rank reads its own bell before it looks at the counters, then
   sleeps on the futex only while the bell still holds that value (`sleep`):
-  a ring between the look and the sleep wakes it.
+  a ring between the look and the sleep wakes it. The futex wake is a system
+  call, so a ring makes it only where the bell's owner says a thread of its
+  own is asleep there (`SLEEPERS_OFFSET`, a word only its owner writes): the
+  sleeper stores its count before the futex looks at the bell, the ringer
+  stores the bell before it looks at the count, each behind a full barrier,
+  so one of the two always sees the other's store.
 * failure: a rank that fails mid-step sets its `ABORTED` slot (`abort`);
   peers see it in `aborted()` and fail too instead of waiting for it.
 * slice ownership (`owned_slice`): of n items over n ranks, local rank r owns
@@ -61,6 +66,7 @@ Array = np.ndarray[Any, Any]
 
 CTL_BYTES = 4096  # a control block; the region after it starts on a page
 BELL_OFFSET = 128  # the futex word peers ring, on its own cache line
+SLEEPERS_OFFSET = 192  # how many of the owner's threads sleep on its bell, a line of its own
 COUNTERS = BELL_OFFSET // 8  # int64 slots ahead of the bell
 ABORTED = 0  # counter slot every user shares: 1 once the rank failed
 # who rings a bell: a peer, the rank itself (its own threads), or a peer's hint
@@ -125,6 +131,10 @@ class SharedWindow:
         self.counters = [np.frombuffer(m, np.int64, count=COUNTERS) for m in memory]
         self.bells = [np.frombuffer(m, np.uint32, count=1, offset=BELL_OFFSET) for m in memory]
         self.bell_addresses = [int(b.ctypes.data) for b in self.bells]
+        self.sleepers = [np.frombuffer(m, np.uint32, count=1, offset=SLEEPERS_OFFSET)
+                         for m in memory]
+        self._asleep = 0  # my threads in `sleep`; stored in my sleepers word
+        self._asleep_lock = threading.Lock()
         self.regions = [np.frombuffer(m, np.uint8, count=region_bytes, offset=CTL_BYTES)
                         for m in memory]
         # a bell value nobody wrote before: one count per kind of writer (next() on
@@ -161,6 +171,7 @@ class SharedWindow:
         """Zero my control block (MPI does not promise zeroed memory)."""
         self.counters[self.rank][:] = 0
         self.bells[self.rank][0] = 0
+        self.sleepers[self.rank][0] = 0
         self._sync()
 
     def free(self) -> None:
@@ -181,9 +192,12 @@ class SharedWindow:
         self._sync()  # my writes are visible before the counter says so
         self.counters[self.rank][counter] = value
         self._sync()
-        for q in range(self.size):
-            if q != self.rank:
-                self.ring(q, kind)
+        peers = [q for q in range(self.size) if q != self.rank]
+        for q in peers:
+            self._stamp(q, kind)
+        self._sync()  # the bells are stored before I look who sleeps on them
+        for q in peers:
+            self._wake(q)
 
     def least(self, counter: int) -> int:
         """The smallest value of `counter` over every rank; what it vouches for may be
@@ -209,8 +223,17 @@ class SharedWindow:
     # -- bells -------------------------------------------------------------------------
     def ring(self, q: int, kind: str = PEER) -> None:
         """Change q's bell to a value nobody wrote before, then wake it."""
-        futex.ring(self.bells[q], self.bell_addresses[q], self._writers[kind],
-                   next(self._rings[kind]))
+        self._stamp(q, kind)
+        self._sync()  # the bell is stored before I look who sleeps on it
+        self._wake(q)
+
+    def _stamp(self, q: int, kind: str) -> None:
+        futex.stamp(self.bells[q], self._writers[kind], next(self._rings[kind]))
+
+    def _wake(self, q: int) -> None:
+        """Wake q's sleepers, if q says it has any (no system call otherwise)."""
+        if int(self.sleepers[q][0]):
+            futex.wake(self.bell_addresses[q])
 
     def bell(self) -> int:
         """My bell now: read it before looking at the counters, then `sleep(bell)`."""
@@ -219,7 +242,17 @@ class SharedWindow:
     def sleep(self, bell: int, timeout_s: float) -> None:
         """Sleep until my bell differs from `bell` (a peer rang since), at most
         `timeout_s`; a wake-up is a hint, the caller looks again."""
-        futex.wait(self.bell_addresses[self.rank], bell, timeout_s)
+        self._count_asleep(1)
+        try:
+            self._sync()  # ringers see my count before the futex looks at the bell
+            futex.wait(self.bell_addresses[self.rank], bell, timeout_s)
+        finally:
+            self._count_asleep(-1)
+
+    def _count_asleep(self, change: int) -> None:
+        with self._asleep_lock:
+            self._asleep += change
+            self.sleepers[self.rank][0] = self._asleep
 
     def wait(self, counter: int, value: int, what: str, limit_s: float | None = None) -> bool:
         """Until every rank's `counter` reached `value` (True), or `limit_s` passed
