@@ -19,6 +19,7 @@ def job() -> Job:
 @pytest.mark.parametrize("label", [
     "allreduce_grad", "grouped_allreduce_grad", "allgather_grad", "broadcast_grad",
     "alltoall_grad", "reducescatter_grad", "no_grad_plain", "integer_scaling",
+    "handles_and_parameters",
     "optimizer_state_created", "parameter_names", "duplicate_names"])
 def test_horovod_api(label: str) -> None:
     j = job()

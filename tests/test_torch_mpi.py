@@ -89,6 +89,12 @@ def test_params_identical_after_20_steps(nranks: int, transport: str, backend: s
 
 
 @grads_cases
+def test_step_closure_steps_on_the_reduced_gradients(nranks: int, transport: str,
+                                                     backend: str) -> None:
+    grads(nranks, transport, backend, "step_closure")
+
+
+@grads_cases
 def test_gradients_handed_on_some_ranks_only(nranks: int, transport: str, backend: str) -> None:
     grouped = "yes" if backend == "horovod" else "no"  # shm and MPI never use Horovod groups
     grads(nranks, transport, backend, "handed_some_ranks", f"grouped_{grouped}")
@@ -264,6 +270,13 @@ def test_sharded_accumulation_over_passes_and_no_sync(nranks: int, kind: str) ->
 @sharded_cases
 def test_sharded_synchronize_then_clip_then_step(nranks: int, kind: str) -> None:
     sharded(nranks, kind, "sharded_synchronize_clip")
+
+
+@sharded_cases
+def test_sharded_step_skipped_after_synchronize(nranks: int, kind: str) -> None:
+    """GradScaler skips step() after synchronize() where it finds inf or NaN: the next
+    step neither hangs on the skipped round's release nor applies its update."""
+    sharded(nranks, kind, "sharded_step_skipped")
 
 
 @sharded_cases

@@ -135,6 +135,30 @@ def check_identical_after_20_steps() -> None:
     report(hvd.rank(), f"transport_{transport}")
 
 
+def check_step_closure() -> None:
+    """`step(closure)`: the base optimizer steps on the rank average of the gradients
+    the closure's backward made (as without a closure), so 5 steps land where one
+    process over the global batch lands, the same on every rank."""
+    model, ref = mlp(seed=4), mlp(seed=4)
+    opt = sgd(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        def closure(step: int = step) -> torch.Tensor:
+            opt.zero_grad()
+            loss = local(step)(model)
+            loss.backward()
+            return loss
+        opt.step(closure)
+        ref_opt.zero_grad()
+        (sum(local(step)(ref, r) for r in range(hvd.size())) / hvd.size()).backward()
+        ref_opt.step()
+    assert_same_on_all_ranks(model, gather, "after step(closure)")
+    assert torch.allclose(flat(model), flat(ref), rtol=1e-4, atol=1e-5), (
+        f"step(closure) drifted from single-process training: "
+        f"{(flat(model) - flat(ref)).abs().max()}")
+    report(hvd.rank(), "step_closure")
+
+
 def check_handed_on_some_ranks_only() -> None:
     """Rank 0 zeroes in place, so from step 1 its gradients accumulate in the bucket
     buffers; the other ranks zero to None and hand autograd's tensors over (Horovod
@@ -466,7 +490,8 @@ def shm_eligible() -> bool:
 
 CHECKS: dict[str, Callable[[], None]] = {
     "caps": check_caps, "groups": check_groups,
-    "identical": check_identical_after_20_steps, "unused": check_unused_and_frozen,
+    "identical": check_identical_after_20_steps, "closure": check_step_closure,
+    "unused": check_unused_and_frozen,
     "handed": check_handed_on_some_ranks_only, "accumulation": check_accumulation,
     "compression": check_compression, "predivide": check_predivide_and_sum,
     "gated": check_gated_bit_identical, "too_many": check_too_many_passes,

@@ -74,7 +74,46 @@ def check_integer_scaling(rank: int, size: int) -> None:
         raise AssertionError("reducescatter accepted Adasum")
     except RuntimeError:
         pass
+    # an average with a postscale is the sum scaled once by postscale / size (Horovod's
+    # one scale), truncated toward zero: not averaged and truncated first
+    ranked = torch.tensor([3, 5, 7, -7]) + rank
+    total = sum(torch.tensor([3, 5, 7, -7]) + r for r in range(size))
+    for factor in (2.0, 3.0):
+        want = (total.double() * factor / size).to(torch.int64)
+        got = [hvd.allreduce(ranked, op=hvd.Average, postscale_factor=factor),
+               hvd.grouped_allreduce([ranked], op=hvd.Average, postscale_factor=factor)[0],
+               hvd.allreduce_(ranked.clone(), op=hvd.Average, postscale_factor=factor)]
+        for out in got:
+            assert out.dtype == torch.int64 and torch.equal(out, want), (factor, out, want)
+    rows = torch.arange(4 * size, dtype=torch.int64).reshape(2 * size, 2) + rank
+    scattered = hvd.reducescatter(rows, op=hvd.Average, postscale_factor=3.0)
+    summed = sum(torch.arange(4 * size, dtype=torch.int64).reshape(2 * size, 2) + r
+                 for r in range(size))
+    want = (summed.double() * 3.0 / size).to(torch.int64)[2 * rank:2 * rank + 2]
+    assert torch.equal(scattered, want), (scattered, want)
     report(rank, "integer_scaling")
+
+
+def check_handles_and_parameters(rank: int, size: int) -> None:
+    """Horovod's answers: polling a synchronized handle raises ValueError, synchronizing
+    it again returns None; in-place collectives write a parameter that requires grad
+    (outside autograd), the next call works."""
+    handle = hvd.allreduce_async(torch.ones(3), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(handle), torch.full((3,), float(size)))
+    try:
+        hvd.poll(handle)
+        raise AssertionError("poll of a synchronized handle returned")
+    except ValueError as exc:
+        assert "was not created or has been cleared" in str(exc), exc
+    assert hvd.synchronize(handle) is None
+    p = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+    hvd.allreduce_(p, op=hvd.Sum)
+    assert torch.equal(p.detach(), torch.full((3,), float(sum(range(1, size + 1))))), p
+    hvd.grouped_allreduce_([p], op=hvd.Average)
+    hvd.synchronize(hvd.allreduce_async_(p, op=hvd.Sum))
+    assert p.requires_grad and p.grad_fn is None, p
+    assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(size)))
+    report(rank, "handles_and_parameters")
 
 
 class Frozen(torch.nn.Module):
@@ -152,6 +191,7 @@ def main() -> None:
     rank, size = hvd.rank(), hvd.size()
     check_grads(rank, size)
     check_integer_scaling(rank, size)
+    check_handles_and_parameters(rank, size)
     check_optimizer_state(rank)
     check_duplicate_names(rank, size)
     hvd.shutdown()

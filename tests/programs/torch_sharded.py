@@ -206,6 +206,32 @@ def check_synchronize_and_clip() -> None:
     report(hvd.rank(), "sharded_synchronize_clip")
 
 
+def check_step_skipped_after_synchronize() -> None:
+    """GradScaler's pattern when it finds inf or NaN: synchronize(), then no step().
+    The skipped round ends without an update when the next step begins (no rank waits
+    for its release), and Adam's parameters and state land where one process that
+    skips the same steps lands."""
+    make, tol = OPTIMIZERS["adam"]
+    model, opt = sharded(make, model=mlp(seed=9))
+    want_model = mlp(seed=9)
+    want_opt = make(groups(want_model))
+    skipped = {2, 3}  # past the switch into the window; twice in a row
+    for step in range(6):
+        opt.zero_grad()
+        local_step(model, step)
+        opt.synchronize()
+        if step not in skipped:
+            with opt.skip_synchronize():
+                opt.step()
+            want_opt.zero_grad()
+            loss_fn(want_model, *batch(step, hvd.size())).backward()
+            want_opt.step()
+    opt.apply_pending()
+    assert opt.sharded is not None, "round 1 never switched to shards"
+    assert_close(flat(model), flat(want_model), "steps skipped", rtol=tol, atol=tol)
+    report(hvd.rank(), "sharded_step_skipped")
+
+
 def rank_loss(step: int, model: torch.nn.Module, r: int) -> torch.Tensor:
     x, y = batch(step, hvd.size())
     return loss_fn(model, shard(x, r, hvd.size()), shard(y, r, hvd.size()))
@@ -278,6 +304,7 @@ def main() -> None:
     check_checkpoint()
     check_accumulation()
     check_synchronize_and_clip()
+    check_step_skipped_after_synchronize()
     check_refusals()
     check_join_refused()
     model, opt = sharded(OPTIMIZERS["adam"][0])

@@ -262,6 +262,13 @@ class Reducer:
         if self.shards is not None:
             hand_round(self, self.shards)
 
+    def skip_update(self, run: StepRun, mode: Finish) -> None:
+        """Sharded: finish a synchronized round that gets no `step()`, without an update."""
+        if self.shards is not None:
+            self.shards.hand_skip()
+            _wake_pipeline(self)
+        self.finish(run, mode)
+
     def close_step(self, optimizer: torch.optim.Optimizer) -> StepRun:
         """`step()`: close the round (the last deferred one lands with its own settings)."""
         run = self.close_round()

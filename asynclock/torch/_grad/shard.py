@@ -63,6 +63,8 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 # everywhere without being sent.
 
 SCALAR_KEYS = frozenset({"step", "mu_product"})
+# handed instead of a round's settings when its step() never came (`hand_skip`)
+SKIP_UPDATE: list[dict[str, Any]] = []
 ALIGN, SCALAR_BYTES = 64, 8
 
 
@@ -338,6 +340,12 @@ class Shards:
         unsharded, whenever the pipeline gets to the buckets."""
         self._hypers.append(hyperparameters(self.optimizer))
 
+    def hand_skip(self) -> None:
+        """A synchronized round whose `step()` never came (GradScaler skips it where it
+        finds inf or NaN): the pipeline finishes it without an update, as a skipped
+        unsharded step leaves the parameters and the state."""
+        self._hypers.append(SKIP_UPDATE)
+
     def request_sync(self, number: int) -> SyncRequest:
         """`synchronize()` of round `number` (before its step()): asked of the pipeline."""
         request = self._syncs[number] = SyncRequest()
@@ -362,7 +370,7 @@ class Shards:
     def step_bucket(self, k: int, hyper: list[dict[str, Any]]) -> None:
         """Update this rank's pieces of bucket k (its reduced chunk is in place)."""
         entry = self.inner.get(k)
-        if entry is None:
+        if entry is None or hyper is SKIP_UPDATE:
             return
         inner, order = entry
         for group, g in zip(inner.param_groups, order, strict=True):

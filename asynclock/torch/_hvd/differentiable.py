@@ -45,27 +45,11 @@ def _place(process_set: Any) -> tuple[int, int]:
     return int(subset.rank), int(subset.size)
 
 
-def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """`tensor * factor` in `tensor`'s dtype: integers are scaled in float64 and
-    truncated back, half precision in float32, as Horovod's CPU ops do."""
-    if factor == 1.0:
-        return tensor
-    if tensor.is_floating_point():
-        if tensor.dtype in (torch.float16, torch.bfloat16):
-            return (tensor.float() * factor).to(tensor.dtype)
-        return tensor * factor
-    return (tensor.double() * factor).to(tensor.dtype)
-
-
 # -- allreduce --------------------------------------------------------------------------
 def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, compression: Any,
                op: Any, prescale: float, postscale: float, process_set: Any) -> torch.Tensor:
-    if tensor.is_floating_point():  # mpi_ops scales floats the same way
-        return mpi_ops.allreduce(tensor, average, name, compression, op, prescale, postscale,
-                                 process_set)
-    out = mpi_ops.allreduce(scale(tensor, prescale), average, name, compression, op, 1.0, 1.0,
-                            process_set)
-    return scale(out, postscale)
+    return mpi_ops.allreduce(tensor, average, name, compression, op, prescale, postscale,
+                             process_set)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -126,12 +110,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def _grouped_allreduce(tensors: list[torch.Tensor], average: bool | None, name: str | None,
                        compression: Any, op: Any, prescale: float, postscale: float,
                        process_set: Any) -> list[torch.Tensor]:
-    if all(t.is_floating_point() for t in tensors):
-        return mpi_ops.grouped_allreduce(tensors, average, name, compression, op, prescale,
-                                         postscale, process_set)
-    out = mpi_ops.grouped_allreduce([scale(t, prescale) for t in tensors], average, name,
-                                    compression, op, 1.0, 1.0, process_set)
-    return [scale(t, postscale) for t in out]
+    return mpi_ops.grouped_allreduce(tensors, average, name, compression, op, prescale,
+                                     postscale, process_set)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -397,12 +377,14 @@ def _scatter_grads(grads: tuple[torch.Tensor, ...], op: Any, prescale: float,
 
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, process_set: Any,
                    prescale: float, postscale: float) -> list[torch.Tensor]:
-    scaled = [scale(t, prescale) for t in tensors]
+    scaled = [mpi_ops.scale(t, prescale) for t in tensors]
+    rop, factor = mpi_ops.integer_average(as_reduce_op(op) if op is not None else ReduceOp.AVERAGE,
+                                  postscale, scaled[0], _place(process_set)[1])
     if len(scaled) == 1:
-        out = [mpi_ops.reducescatter(scaled[0], name, op=op, process_set=process_set)]
+        out = [mpi_ops.reducescatter(scaled[0], name, op=rop, process_set=process_set)]
     else:
-        out = mpi_ops.grouped_reducescatter(scaled, name, op=op, process_set=process_set)
-    return [scale(t, postscale) for t in out]
+        out = mpi_ops.grouped_reducescatter(scaled, name, op=rop, process_set=process_set)
+    return [mpi_ops.scale(t, factor) for t in out]
 
 
 class _Reducescatter(torch.autograd.Function):

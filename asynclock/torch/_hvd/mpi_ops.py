@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Generator
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -78,9 +79,13 @@ def poll(handle: int) -> bool:
         True once the collective completed on this rank.
 
     Raises:
-        KeyError: `handle` is unknown, or was synchronized already.
+        ValueError: `handle` is unknown, or was synchronized already (Horovod's error).
     """
-    done: bool = _handles[handle][0].done()
+    with _lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
+    done: bool = entry[0].done()
     return done
 
 
@@ -91,14 +96,17 @@ def synchronize(handle: int) -> Any:
         handle: what an `*_async` call returned.
 
     Returns:
-        What the collective's synchronous form returns.
+        What the collective's synchronous form returns; None for a handle that is
+        unknown or was synchronized already, as Horovod returns.
 
     Raises:
-        KeyError: `handle` is unknown, or was synchronized already.
         AsynclockError: the collective's own error (MismatchError, RankFailedError, ...).
     """
     with _lock:
-        h, post = _handles.pop(handle)
+        entry = _handles.pop(handle, None)
+    if entry is None:
+        return None
+    h, post = entry
 
     async def wait() -> Any:
         return await h
@@ -108,19 +116,41 @@ def synchronize(handle: int) -> Any:
 
 # -- allreduce --------------------------------------------------------------------------
 def _prepare(tensor: torch.Tensor, average: bool | None, compression: Any, op: Any,
-             prescale_factor: float, postscale_factor: float
+             prescale_factor: float, postscale_factor: float, api: Any
              ) -> tuple[torch.Tensor, Any, Post]:
     """Compress and prescale a copy of `tensor`; `post` undoes both on the result."""
     rop = ReduceOp.ADASUM if _is_adasum(op, average) else _reduce_op(average, op)
     work, ctx = compression.compress(tensor)
-    if prescale_factor != 1.0:
-        work = work * prescale_factor
+    work = scale(work, prescale_factor)
+    rop, factor = integer_average(rop, postscale_factor, work, api.group_size)
 
     def post(out: torch.Tensor) -> torch.Tensor:
-        out = compression.decompress(out, ctx)
-        return out * postscale_factor if postscale_factor != 1.0 else out
+        return scale(compression.decompress(out, ctx), factor)
 
     return work.contiguous(), rop, post
+
+
+
+def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor * factor` in `tensor`'s dtype: integers are scaled in float64 and
+    truncated back, half precision in float32, as Horovod's CPU ops do."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point():
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            return (tensor.float() * factor).to(tensor.dtype)
+        return tensor * factor
+    return (tensor.double() * factor).to(tensor.dtype)
+
+
+def integer_average(rop: Any, postscale: float, tensor: torch.Tensor, size: int
+                    ) -> tuple[Any, float]:
+    """The op and the factor after it: an integer average with a postscale is a sum
+    scaled once by postscale / size, as Horovod scales it (averaging first would
+    truncate twice)."""
+    if rop is ReduceOp.AVERAGE and postscale != 1.0 and not tensor.is_floating_point():
+        return ReduceOp.SUM, postscale / size
+    return rop, postscale
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -151,9 +181,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
         InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
     """
+    api = api_of(process_set)
     work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
-                               postscale_factor)
-    start, finish = start_allreduce(api_of(process_set), work, rop, name)
+                               postscale_factor, api)
+    start, finish = start_allreduce(api, work, rop, name)
     return _register(_start_async(start), lambda out: post(finish(out)))
 
 
@@ -216,9 +247,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             tensor, average, name, compression, op, prescale_factor, postscale_factor,
             process_set))
         return result
-    work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
-                               postscale_factor)
     api = api_of(process_set)
+    work, rop, post = _prepare(tensor, average, compression, op, prescale_factor,
+                               postscale_factor, api)
     out: torch.Tensor = post(runtime.coordinator().lowlevel.run_sync(
         lambda: api.allreduce(work, rop, name=name)))
     return out
@@ -251,7 +282,14 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """
     n = allreduce_async(tensor, average, name, Compression.none, op, prescale_factor,
                         postscale_factor, process_set)
-    return then(n, tensor.copy_)
+    return then(n, partial(_write, tensor))
+
+
+def _write(tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """An in-place collective's result into `tensor`, outside autograd (as Horovod's
+    C++ writes it), so a parameter that requires grad takes it too."""
+    with torch.no_grad():
+        return tensor.copy_(out)
 
 
 def then(n: int, step: Post) -> int:
@@ -286,8 +324,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
         MismatchError: on every rank, where the ranks' calls differ (shape, dtype, op).
         InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
     """
-    return tensor.copy_(allreduce(tensor, average, name, Compression.none, op,
-                                  prescale_factor, postscale_factor, process_set))
+    return _write(tensor, allreduce(tensor, average, name, Compression.none, op,
+                                    prescale_factor, postscale_factor, process_set))
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------
@@ -638,7 +676,7 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
         InvalidInputError: the tensor cannot be communicated; the other ranks fail too.
     """
     api = api_of(process_set)
-    prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor)
+    prepared = [_prepare(t, average, compression, op, prescale_factor, postscale_factor, api)
                 for t in tensors]
     pairs = [start_allreduce(api, work, rop, _part(name, n))
              for n, (work, rop, _) in enumerate(prepared)]
@@ -706,7 +744,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
     """
     n = grouped_allreduce_async(tensors, average, name, Compression.none, op, prescale_factor,
                                 postscale_factor, process_set)
-    return then(n, lambda out: [t.copy_(r) for t, r in zip(tensors, out, strict=True)])
+    return then(n, lambda out: [_write(t, r) for t, r in zip(tensors, out, strict=True)])
 
 
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,

@@ -142,12 +142,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Sharded, too: every rank's chunks are copied back, so `.grad` is the whole
         average (to clip it in place); the update itself waits for `step()`."""
+        self._skip_synchronized()
         shards = self._reducer.shards
         if shards is not None:
             self._synced = sync_shards(self._reducer, shards)
         else:
             self._reducer.synchronize()
         self._synchronized = True
+
+    def _skip_synchronized(self) -> None:
+        """Sharded: a round synchronized and never stepped (GradScaler skips `step()`
+        where it finds inf or NaN) is finished without an update before the next one."""
+        run, self._synced = self._synced, None
+        if run is not None:
+            self._reducer.skip_update(run, self._mode)
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -169,13 +177,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._synced is not None:  # sharded: the synchronized round, not a new one
             return self._step_synchronized(None)
-        mode = Finish.WHOLE if closure is not None else self._mode
-        if mode is Finish.WHOLE:
+        if closure is not None:
+            self._reducer.synchronize()  # a backward run before step(closure)
+            with step_span():
+                return self._base_class.step(self, self._reduced(closure))
+        if self._mode is Finish.WHOLE:
             self._reducer.synchronize()
             with step_span():
-                return self._base_class.step(self, closure)
-        self._reducer.finish(self._reducer.close_step(self), mode)
+                return self._base_class.step(self)
+        self._reducer.finish(self._reducer.close_step(self), self._mode)
         return None
+
+    def _reduced(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure, then its backward's gradients reduced: the base optimizer steps
+        on (and LBFGS re-evaluates with) the rank average, as it does without a closure."""
+        def closure_then_reduce() -> Any:
+            loss = closure()
+            self._reducer.synchronize()
+            return loss
+        return closure_then_reduce
 
     def _step_synchronized(self, closure: Callable[[], Any] | None) -> Any:
         """`step()` after `synchronize()`: apply the reduced (maybe clipped) gradients."""
@@ -187,12 +207,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reducer.begin_update(self)
             self._reducer.finish(run, self._mode)
             return None
-        result = self._base_class.step(self, closure)
+        result = self._base_class.step(self, None if closure is None else self._reduced(closure))
         if self._shard_wanted and self._reducer.transport is not None:
             self._reducer.start_shards()  # round 1, synchronized by hand, was re-planned
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._skip_synchronized()
         if self._reducer.bucketer.active is not None:
             raise AssertionError(ZERO_GRAD_RACE)
         self._reducer.updates.zero_grad(set_to_none)
