@@ -53,7 +53,7 @@ def test_bad_input_errors_on_every_rank(nranks: int) -> None:
     labels = ["dtype_unsupported", "root", "not_tensor", "after_shutdown", "not_initialized"]
     if nranks > 1:
         labels += ["noncontiguous", "shape", "shape_big", "dtype", "op", "op_name", "kind",
-                   "name", "device"]
+                   "name", "device", "unpicklable", "unpicklable_root"]
     for label in labels:
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 

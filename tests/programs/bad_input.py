@@ -61,6 +61,13 @@ async def main() -> None:
                          "broadcast(root=0)", "allreduce(sum)")
             await expect(c, "name", lambda: c.allreduce(torch.ones(2), name=f"grad{c.rank}"),
                          MismatchError, MismatchError, all_ranks, "name='grad0'", "name='grad1'")
+            obj = (lambda: 1) if c.rank == last else 1  # a lambda does not pickle
+            await expect(c, "unpicklable", lambda: c.allgather_object(obj), InvalidInputError,
+                         RemoteInputError, {last}, f"rank {last}", "cannot be pickled")
+            root_obj = (lambda: 1) if c.rank == 0 else None  # only root's is pickled
+            await expect(c, "unpicklable_root", lambda: c.broadcast_object(root_obj),
+                         InvalidInputError, RemoteInputError, {0}, "rank 0",
+                         "cannot be pickled")
             meta = torch.empty(3, device="meta") if c.rank == 0 else torch.ones(3)
             await expect(c, "device", lambda: c.allreduce(meta), InvalidInputError,
                          RemoteInputError, {0}, "rank 0", "device")

@@ -68,6 +68,15 @@ class Collectives:
             self._announce_fault(kind, name, exc.fault, **kw)
             raise
 
+    def _pickled(self, kind: Kind, obj: Any, name: str | None, **kw: Any) -> bytes:
+        """`obj` pickled; where it cannot be, still join the header round, then raise, so
+        every rank fails this call and the next one matches."""
+        try:
+            return pickle.dumps(obj)
+        except Exception as exc:
+            self._announce_fault(kind, name, InputFault.UNPICKLABLE, **kw)
+            raise InputRejected(InputFault.UNPICKLABLE, f"{type(exc).__name__}: {exc}") from exc
+
     def _announce_fault(self, kind: Kind, name: str | None, fault: InputFault, **kw: Any) -> None:
         """Tell the other ranks why we will not take part, so they fail too."""
         call = Call(kind, self._next_seq(name), name=name or "", fault=int(fault), **kw)
@@ -597,12 +606,14 @@ class Collectives:
 
         Raises:
             ValueError: `name` is held by a call of this rank still in flight.
-            InvalidInputError: `root` is not a rank; the other ranks fail too.
+            InvalidInputError: `root` is not a rank, or root's `obj` cannot be pickled;
+                the other ranks fail too.
             ShutdownError: the coordinator was shut down.
         """
         self._check_open()
         self._check_root(Kind.BROADCAST_OBJECT, root, name)
-        blob = pickle.dumps(obj) if self._lane.rank == root else b""
+        blob = (self._pickled(Kind.BROADCAST_OBJECT, obj, name, root=root)
+                if self._lane.rank == root else b"")
         call = self._call(Kind.BROADCAST_OBJECT, name, root=root, nbytes=len(blob))
         return self._submit(ops.BroadcastObjectOp(self._lane, call, blob))
 
@@ -638,10 +649,11 @@ class Collectives:
 
         Raises:
             ValueError: `name` is held by a call of this rank still in flight.
+            InvalidInputError: `obj` cannot be pickled; the other ranks fail too.
             ShutdownError: the coordinator was shut down.
         """
         self._check_open()
-        blob = pickle.dumps(obj)
+        blob = self._pickled(Kind.ALLGATHER_OBJECT, obj, name)
         call = self._call(Kind.ALLGATHER_OBJECT, name, nbytes=len(blob))
         return self._submit(ops.AllgatherObjectOp(self._lane, call, blob))
 

@@ -30,6 +30,7 @@ class InputFault(enum.IntEnum):
     NOT_A_TENSOR = 4
     READ_ONLY = 5
     BAD_ARGUMENT = 6
+    UNPICKLABLE = 7
 
 
 FAULT_TEXT = {
@@ -39,6 +40,7 @@ FAULT_TEXT = {
     InputFault.NOT_A_TENSOR: "argument is not a torch tensor or numpy array",
     InputFault.READ_ONLY: "in-place target is read-only",
     InputFault.BAD_ARGUMENT: "invalid argument",
+    InputFault.UNPICKLABLE: "object cannot be pickled",
 }
 
 
