@@ -37,7 +37,8 @@ def test_torch_roundtrip(nranks: int, loop: str, tmp_path: Path) -> None:
     args = (["--trio"] if loop == "trio" else []) + [str(tmp_path)]
     job = run_job("ckpt_roundtrip.py", nranks, *args, timeout=180)
     assert_all_ok(job, nranks)
-    for label in ("sharded", "rank0", "damaged_fallback", "errors"):
+    for label in ("sharded", "rank0", "damaged_fallback", "errors", "restarted_steps",
+                  "unusable_raises", "cancel_and_bad_step"):
         assert job.ok_lines(label) == set(range(nranks)), f"{label}\n{job.explain()}"
 
 

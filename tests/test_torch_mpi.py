@@ -177,6 +177,12 @@ def test_train_step_matches_single_process(nranks: int, loop: str, transport: st
 
 
 @async_cases
+def test_horovod_calls_from_a_worker_thread_inside_the_async_api(
+        nranks: int, loop: str, transport: str, backend: str) -> None:
+    async_labels(nranks, loop, transport, backend, "horovod_calls_from_a_thread")
+
+
+@async_cases
 def test_loop_stays_live_during_backward(nranks: int, loop: str, transport: str,
                                          backend: str) -> None:
     async_labels(nranks, loop, transport, backend, "loop_live_during_backward")

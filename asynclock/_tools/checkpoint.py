@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import os
 import pickle
 import re
@@ -57,6 +58,16 @@ log = logging.getLogger("asynclock.checkpoint")
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _SET = re.compile(r"^step-(\d{12})\.([0-9a-f]+)$")
+_DAMAGED, _UNUSABLE = "damaged", "unusable"  # why a rank cannot load its part of a set
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """Why this rank cannot load its part of a set: `_DAMAGED` (an older set may serve)
+    or `_UNUSABLE` (intact, but not for this job)."""
+
+    kind: str
+    why: str
 
 
 class CheckpointError(AsynclockError, RuntimeError):
@@ -173,13 +184,22 @@ def check_set(path: Path, verify: bool = True) -> CheckpointRef | None:
 
 
 def complete_sets(directory: Path) -> list[Path]:
-    """Set directories that have a manifest, newest (highest step) first."""
+    """Set directories that have a manifest, the newest save first: by the save's
+    sequence number (`seq` in its manifest), so a run that starts its steps again
+    in the same folder has its own sets counted newest; then by step."""
     found = []
     for p in Path(directory).glob("step-*"):
         m = _SET.match(p.name)
         if m and (p / MANIFEST).is_file():
-            found.append((int(m.group(1)), p.stat().st_mtime_ns, p))
+            manifest = _read_manifest(p) or {}
+            found.append((int(manifest.get("seq", 0)), int(m.group(1)), p.stat().st_mtime_ns, p))
     return [p for *_, p in sorted(found, reverse=True)]
+
+
+def _next_seq(directory: Path) -> int:
+    """One more than the highest save sequence of a complete set in `directory`."""
+    seqs = [int((_read_manifest(p) or {}).get("seq", 0)) for p in complete_sets(directory)]
+    return max(seqs, default=0) + 1
 
 
 def find_latest(directory: Path | str, verify: bool = True) -> CheckpointRef | None:
@@ -223,6 +243,16 @@ def _load_file(path: Path, serializer: str, map_location: Any, weights_only: boo
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def _step_number(step: Any) -> int | str:
+    """The step as an int (anything with `__index__`: numpy and 0-d torch integers
+    too), or its repr where it is no integer >= 0."""
+    try:
+        number = operator.index(step)
+    except TypeError:
+        return repr(step)
+    return number if number >= 0 and not isinstance(step, bool) else repr(step)
 
 
 class Checkpointer:
@@ -281,26 +311,34 @@ class Checkpointer:
                 could not write its file, or rank 0 could not complete the set; the
                 previous complete set stays.
         """
-        path = await self._agree(step)
-        mine = await self._write_mine(path, state)
-        rows: list[Any] = await self._lane.allgather_object(mine, name="ckpt.written")
-        failed = [f"rank {r}: {row}" for r, row in enumerate(rows) if isinstance(row, str)]
-        if failed:
-            raise CheckpointError(f"checkpoint step {step}: writing failed on " +
-                                  "; ".join(failed) + f" (previous checkpoint kept: {path})")
-        outcome = None
-        if self.coord.rank == 0:
-            outcome = await self._complete(path, step, rows, metadata or {})
-        outcome = await self._lane.broadcast_object(outcome, root=0, name="ckpt.done")
+        with anyio.CancelScope(shield=True):  # a cancel waits: peers need every call
+            path = await self._agree(step)
+            mine = await self._write_mine(path, state)
+            rows: list[Any] = await self._lane.allgather_object(mine, name="ckpt.written")
+            failed = [f"rank {r}: {row}" for r, row in enumerate(rows) if isinstance(row, str)]
+            if failed:
+                raise CheckpointError(f"checkpoint step {step}: writing failed on " +
+                                      "; ".join(failed) + " (the newest complete set before "
+                                      "it stays)")
+            outcome = None
+            if self.coord.rank == 0:
+                outcome = await self._complete(path, step, rows, metadata or {})
+            outcome = await self._lane.broadcast_object(outcome, root=0, name="ckpt.done")
         if outcome is not None:
             raise CheckpointError(f"checkpoint step {step}: {outcome}")
         self.saved += 1
         return path
 
     async def _agree(self, step: int) -> Path:
-        """One allgather: same step everywhere, and rank 0's fresh nonce."""
-        rows = await self._lane.allgather_object((int(step), secrets.token_hex(6)),
+        """One allgather: same step everywhere, and rank 0's fresh nonce. A step that
+        is no integer is refused on every rank (this rank sends None)."""
+        mine: int | str = _step_number(step)
+        rows = await self._lane.allgather_object((mine, secrets.token_hex(6)),
                                                  name="ckpt.begin")
+        bad = [f"rank {r}: {s}" for r, (s, _) in enumerate(rows) if isinstance(s, str)]
+        if bad:
+            raise CheckpointError("the checkpoint step must be an integer >= 0 on every "
+                                  "rank; not on " + "; ".join(bad))
         steps = sorted({s for s, _ in rows})
         if len(steps) != 1:
             raise CheckpointError("ranks disagree on the checkpoint step: " +
@@ -326,7 +364,7 @@ class Checkpointer:
         """Rank 0: manifest, then `latest`, then garbage; None on success."""
         files = {row["name"]: {k: row[k] for k in ("bytes", "sha256", "rank")}
                  for row in rows if row is not None}
-        manifest = {"format": 1, "step": step, "world_size": self.coord.size,
+        manifest = {"format": 1, "step": step, "seq": 0, "world_size": self.coord.size,
                     "sharded": self.sharded, "serializer": self.serializer,
                     "files": files, "metadata": metadata}
         try:
@@ -336,6 +374,7 @@ class Checkpointer:
         return None
 
     def _publish_set(self, path: Path, manifest: dict[str, Any]) -> None:
+        manifest["seq"] = _next_seq(self.directory)
         _write_text(path / MANIFEST, json.dumps(manifest, indent=1))
         _write_text(self.directory / LATEST, path.name + "\n")
         self._collect(path)
@@ -369,8 +408,21 @@ class Checkpointer:
 
         Returns:
             `(step, state)` on every rank (this rank's shard where sharded), or None
-            where no usable set remains.
+            where no complete, intact set remains.
+
+        Raises:
+            CheckpointError: on every rank, where an intact set cannot be used here: a
+                sharded set of another world size, or a file its serializer refuses
+                (e.g. `weights_only=True` and a pickled object it does not allow). An
+                older set is not taken instead: it would silently resume from further
+                back.
         """
+        with anyio.CancelScope(shield=True):  # a cancel waits: peers need every call
+            loaded = await self._load(map_location, weights_only, verify)
+        return loaded
+
+    async def _load(self, map_location: Any, weights_only: bool, verify: bool
+                    ) -> tuple[int, Any] | None:
         rejected: list[str] = []
         while True:
             chosen = await self._choose(rejected)
@@ -378,13 +430,19 @@ class Checkpointer:
                 return None
             result = await self._read_mine(Path(chosen), map_location, weights_only, verify)
             errors = await self._lane.allgather_object(
-                result if isinstance(result, str) else None, name="ckpt.loaded")
-            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-            if not failed:
+                (result.kind, result.why) if isinstance(result, _Refusal) else None,
+                name="ckpt.loaded")
+            unusable = [f"rank {r}: {e[1]}" for r, e in enumerate(errors)
+                        if e is not None and e[0] == _UNUSABLE]
+            if unusable:
+                raise CheckpointError(f"checkpoint {chosen} cannot be loaded: " +
+                                      "; ".join(unusable))
+            damaged = [f"rank {r}: {e[1]}" for r, e in enumerate(errors) if e is not None]
+            if not damaged:
                 self.loaded += 1
                 return result  # type: ignore[return-value]
             log.warning("checkpoint %s rejected (%s); trying an older one", chosen,
-                        "; ".join(failed))
+                        "; ".join(damaged))
             rejected.append(chosen)
 
     async def _choose(self, rejected: list[str]) -> str | None:
@@ -402,21 +460,27 @@ class Checkpointer:
         return None
 
     async def _read_mine(self, path: Path, map_location: Any, weights_only: bool,
-                         verify: bool) -> tuple[int, Any] | str:
-        """This rank's part of the set, or the reason it cannot be used."""
-        def read() -> tuple[int, Any] | str:
+                         verify: bool) -> tuple[int, Any] | _Refusal:
+        """This rank's part of the set, or why it cannot have it."""
+        def read() -> tuple[int, Any] | _Refusal:
             ref = check_set(path, verify=False)
             if ref is None:
-                return f"{path} is no longer a complete set"
+                return _Refusal(_DAMAGED, f"{path} is no longer a complete set")
             if ref.manifest["sharded"] and ref.manifest["world_size"] != self.coord.size:
-                return (f"{path} has {ref.manifest['world_size']} shards, "
-                        f"this job has {self.coord.size} ranks")
+                return _Refusal(_UNUSABLE, f"it has {ref.manifest['world_size']} shards, "
+                                           f"this job has {self.coord.size} ranks")
             f = ref.file_for(self.coord.rank)
-            if verify and sha256_file(f) != ref.manifest["files"][f.name]["sha256"]:
-                return f"{f.name} does not match its manifest digest"
-            return ref.step, _load_file(f, ref.manifest["serializer"], map_location,
-                                        weights_only)
+            digest = ref.manifest["files"][f.name]["sha256"]
+            if verify and sha256_file(f) != digest:
+                return _Refusal(_DAMAGED, f"{f.name} does not match its manifest digest")
+            try:
+                return ref.step, _load_file(f, ref.manifest["serializer"], map_location,
+                                            weights_only)
+            except Exception as exc:
+                intact = verify or sha256_file(f) == digest
+                return _Refusal(_UNUSABLE if intact else _DAMAGED,
+                                f"{type(exc).__name__}: {exc}")
         try:
             return await anyio.to_thread.run_sync(read)
         except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return _Refusal(_DAMAGED, f"{type(exc).__name__}: {exc}")

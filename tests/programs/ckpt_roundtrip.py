@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 from _common import report
 from sync_common import run_or_abort, workdir
@@ -90,6 +91,75 @@ async def check_errors(c: asynclock.Coordinator, d: Path) -> None:
     assert got is not None and got[0] == 5 and same(got[1], model_state(c.rank))
 
 
+async def check_restarted_steps(c: asynclock.Coordinator, d: Path) -> None:
+    """A new run saving lower steps into the same folder: its save is the newest (it
+    survives retention and is what `load` returns), not the highest step."""
+    ck = Checkpointer(c, d, keep=2)
+    for step in (100, 200, 10):
+        path = await ck.save(step, model_state(step))
+        assert path.is_dir(), f"save({step}) returned {path}, which retention removed"
+    got = await ck.load()
+    assert got is not None and got[0] == 10 and same(got[1], model_state(10)), got
+    assert [int(p.name[5:17]) for p in complete_sets(d)] == [10, 200]
+    assert (d / "latest").read_text().strip() == complete_sets(d)[0].name
+
+
+async def check_unusable_raises(c: asynclock.Coordinator, d: Path) -> None:
+    """An intact set this job cannot use raises CheckpointError on every rank rather
+    than resuming silently from an older set or from nothing."""
+    ck = Checkpointer(c, d / "objects", keep=2)
+    await ck.save(1, model_state(1))
+    await ck.save(2, {**model_state(2), "rng": object.__new__(Rng)})  # no weights_only
+    try:
+        await ck.load()
+    except CheckpointError as exc:
+        assert "cannot be loaded" in str(exc) and "rank 0" in str(exc), exc
+    else:
+        raise AssertionError("a set weights_only refuses loaded as None or older")
+    got = await ck.load(weights_only=False)
+    assert got is not None and got[0] == 2, got
+    bigger = Checkpointer(c, d / "sharded", sharded=True)
+    await bigger.save(3, model_state(c.rank))
+    if c.rank == 0:  # this job's sharded set, as a job of another size wrote it
+        manifest = complete_sets(d / "sharded")[0] / "MANIFEST.json"
+        text = manifest.read_text().replace(f'"world_size": {c.size}',
+                                            f'"world_size": {c.size + 1}')
+        manifest.write_text(text)
+    await c.barrier()
+    try:
+        await bigger.load()
+    except CheckpointError as exc:
+        assert f"this job has {c.size} ranks" in str(exc), exc
+    else:
+        raise AssertionError("a sharded set of another world size was not refused")
+
+
+class Rng:
+    """A pickled object that torch.load(weights_only=True) refuses."""
+
+
+async def check_cancel_and_bad_step(c: asynclock.Coordinator, d: Path) -> None:
+    """A save cancelled on one rank still ends on every rank (the cancel waits for it),
+    and a step that is no integer on one rank fails the save on every rank; the next
+    save and load work everywhere."""
+    ck = Checkpointer(c, d, keep=3)
+    last = c.size - 1
+    with anyio.move_on_after(0.0 if c.rank == last else 60) as scope:
+        await ck.save(1, model_state(1))
+    assert scope.cancel_called == (c.rank == last), scope.cancel_called
+    assert [int(p.name[5:17]) for p in complete_sets(d)] == [1]  # it ended everywhere
+    try:
+        await ck.save("two" if c.rank == last else 2, model_state(2))  # type: ignore[arg-type]
+    except CheckpointError as exc:
+        assert "integer" in str(exc) and f"rank {last}: 'two'" in str(exc), exc
+    else:
+        raise AssertionError("a step that is no integer was accepted")
+    await ck.save(3, model_state(3))
+    got = await ck.load()
+    assert got is not None and got[0] == 3 and same(got[1], model_state(3)), got
+    assert [int(p.name[5:17]) for p in complete_sets(d)] == [3, 1]
+
+
 async def main() -> None:
     wd = workdir()
     async with asynclock.start() as c:
@@ -101,6 +171,12 @@ async def main() -> None:
         report(c.rank, "damaged_fallback")
         await check_errors(c, wd / "errors")
         report(c.rank, "errors")
+        await check_restarted_steps(c, wd / "restarted")
+        report(c.rank, "restarted_steps")
+        await check_unusable_raises(c, wd / "unusable")
+        report(c.rank, "unusable_raises")
+        await check_cancel_and_bad_step(c, wd / "cancel")
+        report(c.rank, "cancel_and_bad_step")
         await c.barrier()
     report(c.rank, "done")
 

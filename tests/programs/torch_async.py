@@ -256,6 +256,31 @@ async def check_sharded(c: asynclock.Coordinator) -> None:
     report(c.rank, "sharded_train_step")
 
 
+async def check_horovod_calls_from_a_worker_thread(c: asynclock.Coordinator) -> None:
+    """Inside the async API, Horovod-style calls work from a worker thread (they go
+    through the loop that runs the engine, sync and async forms alike), and on the
+    loop's own thread they raise, naming the worker thread."""
+    import asynclock.torch as hvd
+
+    def horovod_style() -> tuple[torch.Tensor, torch.Tensor]:
+        total = hvd.allreduce(torch.full((4,), float(c.rank)), op=hvd.Sum)
+        handle = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+        return total, hvd.synchronize(handle)
+
+    total, ones = await anyio.to_thread.run_sync(horovod_style)
+    assert torch.equal(total, torch.full((4,), float(sum(range(c.size))))), total
+    assert torch.equal(ones, torch.full((2,), float(c.size))), ones
+    try:
+        hvd.allreduce(torch.ones(2))
+    except RuntimeError as exc:
+        assert "worker thread" in str(exc), exc
+    else:
+        raise AssertionError("a blocking Horovod call on the loop's thread returned")
+    total = await c.allreduce(torch.ones(1))
+    assert torch.equal(total, torch.full((1,), float(c.size))), total
+    report(c.rank, "horovod_calls_from_a_thread")
+
+
 def shared_window(c: asynclock.Coordinator) -> bool:
     return os.environ.get("ASYNCLOCK_NODE_WINDOW", "1") != "0" and c.backend.name == "mpi"
 
@@ -266,7 +291,7 @@ async def main() -> None:
         checks: list[Callable[[asynclock.Coordinator], Awaitable[None]]] = [
             check_basic, check_loop_live_during_backward, check_modes_bit_identical,
             check_no_sync, check_cancel_during_backward, check_sparse_gated_and_refused_gate,
-            check_sharded]
+            check_sharded, check_horovod_calls_from_a_worker_thread]
         for check in checks:
             await check(c)
         report(c.rank, "done")

@@ -382,6 +382,8 @@ class Coordinator(Collectives, SyncPrimitives):
 
     # -- synchronous use (Horovod style) ------------------------------------------
     def _run_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if self._loop_token is not None:  # the async API runs the engine: go through it
+            return self._call_blocking(fn, *args)
         result: T = self._sync_portal().call(self._eagerly, fn, *args)
         return result
 
