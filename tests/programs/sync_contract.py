@@ -343,6 +343,22 @@ async def check_semaphore_mismatch(c: asynclock.Coordinator) -> None:
         else:
             raise AssertionError("mismatched capacity accepted")
     await c.barrier()
+    # the disagreeing rank acquires first: the home rank's own capacity still decides
+    first = homed("mismatch-first", 0, c.size)
+    sem = c.semaphore(first, 3 if c.rank == c.size - 1 else 2)
+    await c.barrier()
+    if c.rank == c.size - 1:
+        try:
+            await sem.acquire()
+        except asynclock.MismatchError as exc:
+            assert "capacity 3" in str(exc) and "has 2" in str(exc), exc
+        else:
+            raise AssertionError("the first acquirer's capacity overrode the home rank's")
+    await c.barrier()
+    if c.rank != c.size - 1:
+        async with sem:
+            pass
+    await c.barrier()
 
 
 async def main() -> None:

@@ -72,6 +72,12 @@ class PermitManager:
             self._reply(M.INFO_REPLY, key, w[HEAD])
 
     # -- the home rank's own tasks (no messages) --------------------------------------
+    def declare(self, capacity: int) -> None:
+        """The home rank made its own object: its capacity is the one every rank must
+        ask for, whichever rank acquires first (unless one already did)."""
+        if not self.capacity:
+            self.capacity = capacity
+
     def take_now(self, key: Key, capacity: int) -> bool:
         """Grant at once if a permit is free and nobody queues (FIFO holds)."""
         if self.queue or (self.capacity and capacity != self.capacity):

@@ -81,6 +81,8 @@ class Permits:
         self.home = home_rank(name, service.size)
         self._held: dict[int, object] = {}  # ticket -> task, oldest first
         self._mgr = service.local_permits(self.obj) if self.home == service.rank else None
+        if self._mgr is not None:
+            self._mgr.declare(capacity)
         self._leases: dict[int, bool] = {}  # leased ticket -> recalled
         self._idle: list[int] = []  # leased tickets cached here, free
         self.pending: set[int] = set()  # tickets asked for and not yet taken
