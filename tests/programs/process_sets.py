@@ -19,6 +19,8 @@ from asynclock import InvalidInputError, MismatchError
 async def check_async_api(c: asynclock.Coordinator) -> None:
     evens = await c.process_set(r for r in range(c.size) if r % 2 == 0)
     tail = await c.process_set(range(1, c.size)) if c.size > 1 else None
+    stats = c.statistics()  # at once, before the poller reaps the sets' made calls
+    assert stats.issued == stats.completed + stats.in_flight, stats
     assert evens.ranks == tuple(range(0, c.size, 2)) and evens.included == (c.rank % 2 == 0)
     if evens.included:
         got = await evens.api.allreduce(torch.full((3,), float(c.rank)))

@@ -462,10 +462,12 @@ class Engine:
                 hook("done", op, now)
 
     def statistics(self) -> EngineStatistics:
-        in_flight = sum(not op.done for op in self.inflight)  # the poller reaps done ones
+        # ops done and not yet reaped by the poller count as completed already, so
+        # issued == completed + in_flight at every moment
+        reaped_next = sum(op.done for op in self.inflight)
         synchronous = sum(lane.synchronous for lane in self.lanes)
-        return EngineStatistics(in_flight, self._issued + synchronous,
-                                self._completed + synchronous,
+        return EngineStatistics(len(self.inflight) - reaped_next, self._issued + synchronous,
+                                self._completed + reaped_next + synchronous,
                                 self._detached, self._thread_waits, self.running)
 
     # -- for the watchdog (any thread) -------------------------------------------
