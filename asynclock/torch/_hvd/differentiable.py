@@ -46,26 +46,20 @@ def _place(process_set: Any) -> tuple[int, int]:
 
 
 # -- allreduce --------------------------------------------------------------------------
-def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, compression: Any,
-               op: Any, prescale: float, postscale: float, process_set: Any) -> torch.Tensor:
-    return mpi_ops.allreduce(tensor, average, name, compression, op, prescale, postscale,
-                             process_set)
-
-
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, average: bool | None, name: str | None,
                 compression: Any, op: Any, prescale: float, postscale: float,
                 process_set: Any) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return _allreduce(tensor, average, name, compression, op, prescale, postscale,
-                          process_set)
+        return mpi_ops.allreduce(tensor, average, name, compression, op, prescale, postscale,
+                                 process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         average, op, prescale, postscale, process_set = ctx.args
-        out = _allreduce(grad.contiguous(), average, None, Compression.none, op, prescale,
-                         postscale, process_set)
+        out = mpi_ops.allreduce(grad.contiguous(), average, None, Compression.none, op,
+                                prescale, postscale, process_set)
         return (out, *[None] * 7)
 
 
@@ -103,15 +97,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         out: torch.Tensor = _apply(_Allreduce, tensor, average, name, compression, op,
                                              prescale_factor, postscale_factor, process_set)
         return out
-    return _allreduce(tensor, average, name, compression, op, prescale_factor,
-                      postscale_factor, process_set)
-
-
-def _grouped_allreduce(tensors: list[torch.Tensor], average: bool | None, name: str | None,
-                       compression: Any, op: Any, prescale: float, postscale: float,
-                       process_set: Any) -> list[torch.Tensor]:
-    return mpi_ops.grouped_allreduce(tensors, average, name, compression, op, prescale,
-                                     postscale, process_set)
+    return mpi_ops.allreduce(tensor, average, name, compression, op, prescale_factor,
+                             postscale_factor, process_set)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -120,14 +107,14 @@ class _GroupedAllreduce(torch.autograd.Function):
                 prescale: float, postscale: float, process_set: Any,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(_grouped_allreduce(list(tensors), average, name, compression, op,
-                                        prescale, postscale, process_set))
+        return tuple(mpi_ops.grouped_allreduce(list(tensors), average, name, compression, op,
+                                               prescale, postscale, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         average, op, prescale, postscale, process_set = ctx.args
-        out = _grouped_allreduce([g.contiguous() for g in grads], average, None,
-                                 Compression.none, op, prescale, postscale, process_set)
+        out = mpi_ops.grouped_allreduce([g.contiguous() for g in grads], average, None,
+                                        Compression.none, op, prescale, postscale, process_set)
         return (*[None] * 7, *out)
 
 
@@ -166,8 +153,8 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
     if _wants_grad(*tensors):
         return list(_apply(_GroupedAllreduce, average, name, compression, op, prescale_factor,
                                             postscale_factor, process_set, *tensors))
-    return _grouped_allreduce(list(tensors), average, name, compression, op, prescale_factor,
-                              postscale_factor, process_set)
+    return mpi_ops.grouped_allreduce(list(tensors), average, name, compression, op,
+                                     prescale_factor, postscale_factor, process_set)
 
 
 # -- allgather --------------------------------------------------------------------------
@@ -378,8 +365,8 @@ def _scatter_grads(grads: tuple[torch.Tensor, ...], op: Any, prescale: float,
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, process_set: Any,
                    prescale: float, postscale: float) -> list[torch.Tensor]:
     scaled = [mpi_ops.scale(t, prescale) for t in tensors]
-    rop, factor = mpi_ops.integer_average(as_reduce_op(op) if op is not None else ReduceOp.AVERAGE,
-                                  postscale, scaled[0], _place(process_set)[1])
+    rop = as_reduce_op(op) if op is not None else ReduceOp.AVERAGE
+    rop, factor = mpi_ops.integer_average(rop, postscale, scaled[0], _place(process_set)[1])
     if len(scaled) == 1:
         out = [mpi_ops.reducescatter(scaled[0], name, op=rop, process_set=process_set)]
     else:

@@ -130,7 +130,6 @@ def _prepare(tensor: torch.Tensor, average: bool | None, compression: Any, op: A
     return work.contiguous(), rop, post
 
 
-
 def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """`tensor * factor` in `tensor`'s dtype: integers are scaled in float64 and
     truncated back, half precision in float32, as Horovod's CPU ops do."""
