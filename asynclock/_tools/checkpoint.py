@@ -183,23 +183,28 @@ def check_set(path: Path, verify: bool = True) -> CheckpointRef | None:
     return CheckpointRef(path, int(manifest["step"]), manifest)
 
 
-def complete_sets(directory: Path) -> list[Path]:
-    """Set directories that have a manifest, the newest save first: by the save's
-    sequence number (`seq` in its manifest), so a run that starts its steps again
-    in the same folder has its own sets counted newest; then by step."""
+def _saves(directory: Path) -> list[tuple[int, int, int, Path]]:
+    """(save sequence, step, mtime, path) of every set that has a manifest, the newest
+    save first: by the sequence (`seq` in its manifest), so a run that starts its steps
+    again in the same folder has its own sets counted newest; then by step."""
     found = []
     for p in Path(directory).glob("step-*"):
         m = _SET.match(p.name)
         if m and (p / MANIFEST).is_file():
             manifest = _read_manifest(p) or {}
             found.append((int(manifest.get("seq", 0)), int(m.group(1)), p.stat().st_mtime_ns, p))
-    return [p for *_, p in sorted(found, reverse=True)]
+    return sorted(found, reverse=True)
+
+
+def complete_sets(directory: Path) -> list[Path]:
+    """Set directories that have a manifest, the newest save first (`_saves`)."""
+    return [p for *_, p in _saves(directory)]
 
 
 def _next_seq(directory: Path) -> int:
     """One more than the highest save sequence of a complete set in `directory`."""
-    seqs = [int((_read_manifest(p) or {}).get("seq", 0)) for p in complete_sets(directory)]
-    return max(seqs, default=0) + 1
+    saves = _saves(directory)
+    return saves[0][0] + 1 if saves else 1
 
 
 def find_latest(directory: Path | str, verify: bool = True) -> CheckpointRef | None:
@@ -329,9 +334,9 @@ class Checkpointer:
         self.saved += 1
         return path
 
-    async def _agree(self, step: int) -> Path:
+    async def _agree(self, step: Any) -> Path:
         """One allgather: same step everywhere, and rank 0's fresh nonce. A step that
-        is no integer is refused on every rank (this rank sends None)."""
+        is no integer >= 0 is refused on every rank (this rank sends its repr)."""
         mine: int | str = _step_number(step)
         rows = await self._lane.allgather_object((mine, secrets.token_hex(6)),
                                                  name="ckpt.begin")
@@ -364,7 +369,7 @@ class Checkpointer:
         """Rank 0: manifest, then `latest`, then garbage; None on success."""
         files = {row["name"]: {k: row[k] for k in ("bytes", "sha256", "rank")}
                  for row in rows if row is not None}
-        manifest = {"format": 1, "step": step, "seq": 0, "world_size": self.coord.size,
+        manifest = {"format": 1, "step": step, "world_size": self.coord.size,
                     "sharded": self.sharded, "serializer": self.serializer,
                     "files": files, "metadata": metadata}
         try:
