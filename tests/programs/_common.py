@@ -1,4 +1,4 @@
-"""Helpers shared by rank programs: reporting and backend selection."""
+"""Helpers shared by rank programs: reporting, expected errors and backend selection."""
 
 from __future__ import annotations
 
@@ -14,6 +14,27 @@ def report(rank: int, label: str, detail: str = "") -> None:
     """The line tests look for; flushed so a later crash cannot hide it."""
     sys.stdout.flush()
     os.write(1, (f"RANK {rank} OK {label} {detail}".rstrip() + "\n").encode())
+
+
+def expect(kind: type[BaseException], text: str, call: Callable[[], object]) -> BaseException:
+    """`call()` raises `kind` with `text` in its message; the error, for more checks."""
+    try:
+        call()
+    except kind as exc:
+        assert text in str(exc), f"{text!r} not in {exc}"
+        return exc
+    raise AssertionError(f"no {kind.__name__} ({text})")
+
+
+async def expect_async(kind: type[BaseException], text: str,
+                       call: Callable[[], Awaitable[object]]) -> BaseException:
+    """`await call()` raises `kind` with `text` in its message; the error."""
+    try:
+        await call()
+    except kind as exc:
+        assert text in str(exc), f"{text!r} not in {exc}"
+        return exc
+    raise AssertionError(f"no {kind.__name__} ({text})")
 
 
 def loop_backend() -> str:

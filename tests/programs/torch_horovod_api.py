@@ -10,7 +10,7 @@ alltoall, reducescatter's the allgather of the gradient times the size (Sum).
 from __future__ import annotations
 
 import torch
-from _common import report
+from _common import expect, report
 
 import asynclock.torch as hvd
 
@@ -100,11 +100,7 @@ def check_handles_and_parameters(rank: int, size: int) -> None:
     (outside autograd), the next call works."""
     handle = hvd.allreduce_async(torch.ones(3), op=hvd.Sum)
     assert torch.equal(hvd.synchronize(handle), torch.full((3,), float(size)))
-    try:
-        hvd.poll(handle)
-        raise AssertionError("poll of a synchronized handle returned")
-    except ValueError as exc:
-        assert "was not created or has been cleared" in str(exc), exc
+    expect(ValueError, "was not created or has been cleared", lambda: hvd.poll(handle))
     assert hvd.synchronize(handle) is None
     p = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
     hvd.allreduce_(p, op=hvd.Sum)

@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import report
+from _common import expect, report
 from torch_common import assert_close, batch, flat, loss_fn, mlp, reference_grads, shard
 
 import asynclock.torch as hvd
@@ -275,15 +275,6 @@ def check_join_refused() -> None:
         expect(JoinedError, "shard_optimizer", opt.step)
         hvd.join()
     report(hvd.rank(), "sharded_join_refused")
-
-
-def expect(kind: type[BaseException], text: str, call: Callable[[], object]) -> None:
-    try:
-        call()
-    except kind as exc:
-        assert text in str(exc), f"{text!r} not in {exc}"
-        return
-    raise AssertionError(f"no {kind.__name__} ({text})")
 
 
 def check_usable_after_shutdown(model: torch.nn.Module, opt: Any) -> None:
