@@ -14,6 +14,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 bash launch/setup.sh || { echo "[test] setup failed" >&2; exit 1; }
 elapsed "setup done"
+# Every rank of every test job imports the project's modules. Where PYTHONDONTWRITEBYTECODE
+# is set nothing caches their bytecode, and each process would compile
+# them again: compile them once here (stale files are ignored, so edits stay safe).
+.venv/bin/python -m compileall -q asynclock tests mpi bench launch >/dev/null \
+  || echo "[test] byte-compiling the sources failed; tests compile them as they go" >&2
 # Setup builds the C small-message round for every MPI with a compiler wrapper. Where the
 # MPI the tests run on has one (and Python's headers), its tests fail instead of skipping
 # when the round does not load: a build that broke must not pass as a skip.
