@@ -14,7 +14,11 @@ Any runner command line can be watched this way:
     python -m asynclock.jobwatch --failure-grace 10 -- mpiexec -n 4 -f hosts python train.py
 
 The runner runs in its own session, so one `killpg` reaches every local
-rank and proxy; Ctrl-C and SIGTERM are passed on to that group.
+rank and proxy; Ctrl-C and SIGTERM are passed on to that group. A job that
+outlives them by `SIGNAL_GRACE_S` is killed (hydra only forwards a Ctrl-C and
+waits for a second one, and a rank blocked inside an MPI call never sees
+it), a second one kills the job at once, and the launch then exits 128+N
+for signal N whatever the runner returned.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from typing import IO, Any
 TIMEOUT_EXIT = 124
 GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
 FAILURE_GRACE_S = 20.0  # a rank stopped the job: the runner must be gone by then
+# Ctrl-C or SIGTERM passed on: the job must be gone by then. Room for a rank's checkpoint
+# on SIGTERM; with GRACE_S still below Slurm's default KillWait (30 s).
+SIGNAL_GRACE_S = 10.0
 _POLL_S = 0.2
 # horovodrun tags lines itself ("[0]<stdout>:", "[1,0]<stdout>:" under its MPI controller).
 _HOROVOD_TAG = re.compile(rb"^\[(?:\d+,)?\d+\]<std(?:out|err|diag)>:")
@@ -101,19 +108,37 @@ def terminate(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _forward_signals(proc: subprocess.Popen[bytes]) -> dict[int, Any]:
-    """The job runs in its own session, so pass Ctrl-C / SIGTERM on to its group."""
+@dataclass
+class Interrupt:
+    """The first Ctrl-C / SIGTERM the launch received, and when."""
+
+    signum: int = 0  # 0: none yet
+    at: float = 0.0  # time.monotonic()
+
+
+def _forward_signals(proc: subprocess.Popen[bytes], interrupt: Interrupt) -> dict[int, Any]:
+    """The job runs in its own session, so pass Ctrl-C / SIGTERM on to its group;
+    a second one SIGKILLs the group (as a runner's "Ctrl-C again to force abort")."""
+    def on_signal(sig: int, _frame: object) -> None:
+        if interrupt.signum:
+            kill_group(proc, signal.SIGKILL)
+            return
+        interrupt.signum, interrupt.at = sig, time.monotonic()
+        kill_group(proc, sig)
+
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda s, _f: kill_group(proc, s))
+            previous[sig] = signal.signal(sig, on_signal)
     return previous
 
 
 def run_job(argv: list[str], env: dict[str, str] | None, *, strip_tags: bool = False,
             timeout: float | None = None, failure_grace_s: float = FAILURE_GRACE_S) -> int:
     """Run the runner: its exit status (128+N for signal N, 124 on timeout, or a
-    stopping rank's exit code when the runner outlived that rank's announcement)."""
+    stopping rank's exit code when the runner outlived that rank's announcement);
+    128+N when the launch itself got signal N (Ctrl-C: 130, SIGTERM: 143), since
+    runners report anything from 0 to 255 for a job they were told to end."""
     out = subprocess.PIPE if strip_tags else None  # stdout stays a terminal otherwise
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -121,13 +146,16 @@ def run_job(argv: list[str], env: dict[str, str] | None, *, strip_tags: bool = F
     for src, dst in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
         if src is not None:
             watch.start(src, dst)
-    previous = _forward_signals(proc)
+    interrupt = Interrupt()
+    previous = _forward_signals(proc, interrupt)
     try:
-        rc, ended_by_us = _supervise(proc, watch, timeout, failure_grace_s)
+        rc, ended_by_us = _supervise(proc, watch, timeout, failure_grace_s, interrupt)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     watch.join(GRACE_S)
+    if interrupt.signum:
+        return 128 + interrupt.signum
     return rc if ended_by_us else job_status(rc, watch.stopping)
 
 
@@ -142,13 +170,13 @@ def job_status(runner_rc: int, stopping: Stopping | None) -> int:
 
 
 def _supervise(proc: subprocess.Popen[bytes], watch: _OutputWatch, timeout: float | None,
-               failure_grace_s: float) -> tuple[int, bool]:
+               failure_grace_s: float, interrupt: Interrupt) -> tuple[int, bool]:
     """Wait for the runner; kill it on timeout or when it outlives a stopping rank.
     (exit status, whether this watch ended the job)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while (rc := _poll(proc)) is None:
-            verdict = _overdue(watch.stopping, deadline, failure_grace_s, timeout)
+            verdict = _overdue(watch.stopping, deadline, failure_grace_s, timeout, interrupt)
             if verdict is not None:
                 say(verdict[1])
                 terminate(proc)
@@ -167,9 +195,13 @@ def _poll(proc: subprocess.Popen[bytes]) -> int | None:
 
 
 def _overdue(stopping: Stopping | None, deadline: float | None, failure_grace_s: float,
-             timeout: float | None) -> tuple[int, str] | None:
+             timeout: float | None, interrupt: Interrupt | None = None) -> tuple[int, str] | None:
     """(exit code, message) when the job must be killed now, else None."""
     now = time.monotonic()
+    if interrupt is not None and interrupt.signum and now - interrupt.at >= SIGNAL_GRACE_S:
+        name = signal.Signals(interrupt.signum).name
+        return 128 + interrupt.signum, (
+            f"the job outlived {name} by {SIGNAL_GRACE_S:g} s: killing it")
     if deadline is not None and now >= deadline:
         return TIMEOUT_EXIT, f"timeout after {timeout:g}s: killing the job"
     if stopping is not None and now - stopping.seen_at >= failure_grace_s:

@@ -106,13 +106,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--launcher-arg", action="append", default=[], metavar="ARG",
         help="extra argument passed to the runner verbatim")
     add("--dry-run", action="store_true", help="print the command and exit")
-    add("-m", dest="module", help="run a python module (like python -m)")
+    # A flag, as torchrun's: the module is the program's first word, so whatever follows
+    # it (`-m pkg.train --timeout 5 -n 3`) is the module's, as after `python -m`.
+    add("-m", "--module", action="store_true",
+        help="the program is a python module: -m pkg.train args... (like python -m)")
     add("program", nargs=argparse.REMAINDER, help="script.py args... or any command")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:
         args.program = args.program[1:]
-    if not args.program and not args.module:
-        p.error("give a program: asynclock-launch -n 2 train.py [args...]")
+    if not args.program:
+        p.error("give a module: asynclock-launch -n 2 -m pkg.train [args...]" if args.module
+                else "give a program: asynclock-launch -n 2 train.py [args...]")
     elastic_only = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
                     ("--host-discovery-script", args.host_discovery_script)) if value is not None]
     if elastic_only and not args.elastic:
@@ -136,7 +140,7 @@ def choose_runner(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
 def program_argv(args: argparse.Namespace) -> list[str]:
     """`x.py` and `-m mod` run on this interpreter (the venv); anything else as given."""
     if args.module:
-        prog = [sys.executable, "-m", args.module, *args.program]
+        prog = [sys.executable, "-m", *args.program]
     elif args.program[0].endswith(".py"):
         prog = [sys.executable, *args.program]
     else:
@@ -158,14 +162,24 @@ def _apply_user_env(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
 def read_hosts(path: str) -> list[tuple[str, int | None]]:
     """A hostfile in Open MPI ('h slots=N'), hydra ('h:N') or bare ('h') form."""
     hosts: list[tuple[str, int | None]] = []
-    for raw in Path(path).read_text().splitlines():
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        slots = re.search(r"slots\s*=\s*(\d+)", line)
-        name, _, count = line.split()[0].partition(":")
-        hosts.append((name, int(slots.group(1)) if slots else int(count) if count else None))
+        if line:
+            hosts.append(_host_line(line, f"{path}:{number}"))
     return hosts
+
+
+def _host_line(line: str, where: str) -> tuple[str, int | None]:
+    """One hostfile line; a ValueError naming `where` for a line no runner would read."""
+    m = re.fullmatch(r"([^\s:=]+)(?::(\d+))?((?:\s+\w+\s*=\s*\S+)*)", line)
+    if m is None:
+        raise ValueError(f"hostfile {where}: {line!r} is not 'host', 'host:N' or "
+                         "'host slots=N'")
+    slots = re.search(r"\bslots\s*=\s*(\S+)", m[3])
+    count = slots[1] if slots else m[2]
+    if count is not None and not count.isdigit():
+        raise ValueError(f"hostfile {where}: {line!r}: slots must be a number")
+    return m[1], None if count is None else int(count)
 
 
 def write_hosts(hosts: list[tuple[str, int | None]], style: str) -> str:
@@ -323,7 +337,11 @@ def _merge_timeline(prefix: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (`asynclock-launch`, `python -m asynclock.launch`)."""
     args = parse_args(argv)
-    plan = build_plan(args)
+    try:
+        plan = build_plan(args)
+    except (OSError, ValueError, RuntimeError) as exc:  # a bad hostfile, a missing MPI
+        print(f"asynclock-launch: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.dry_run:
             print(shlex.join(plan.argv))

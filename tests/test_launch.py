@@ -7,6 +7,7 @@ import functools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -113,6 +114,28 @@ def test_hostfile_is_converted_for_each_runner(tmp_path: Path) -> None:
         os.unlink(ompi)
     flag = "--hostfile" if mpi_select.resolve("auto") == "system" else "-f"
     assert flag in dry("-n", "2", "--hostfile", str(hostfile), "x.py")
+
+
+def test_module_keeps_the_arguments_after_it() -> None:
+    """As after `python -m` (and torchrun's -m): flags after the module are the module's,
+    even ones the launcher also has."""
+    argv = dry("-n", "2", "-m", "pkg.train", "--timeout", "5", "-n", "3", "--sort-keys")
+    assert argv[-7:] == [sys.executable, "-m", "pkg.train", "--timeout", "5", "-n", "3",
+                         "--sort-keys"][-7:]
+    assert "5" not in argv[:argv.index("-m")] and "3" not in argv[:argv.index("-m")]
+
+
+@pytest.mark.parametrize("line", ["badhost:abc", "node1 slots=two", "node1 node2"])
+def test_a_bad_hostfile_line_is_a_clear_error(tmp_path: Path, line: str) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"node0 slots=2\n{line}\n")
+    done = run_launcher("-n", "2", "--hostfile", str(hostfile), HELLO, timeout=60)
+    assert done.returncode == 2, explain(done)
+    assert f"asynclock-launch: error: hostfile {hostfile}:2: {line!r}" in done.stderr, \
+        explain(done)
+    assert "Traceback" not in done.stderr, explain(done)
+    missing = run_launcher("--hostfile", str(tmp_path / "none"), HELLO, timeout=60)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, explain(missing)
 
 
 def test_recipes() -> None:
@@ -224,6 +247,32 @@ def test_runner_that_outlives_a_stopping_rank_is_killed(kind: str) -> None:
     assert done.returncode == 3, explain(done)
     assert "asynclock-launch: rank 1 stopped the job (exit 3)" in done.stderr, explain(done)
     assert "the runner has not returned: killing it" in done.stderr, explain(done)
+    assert not _wait_gone(token)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+def test_ctrl_c_ends_a_job_blocked_in_mpi(kind: str) -> None:
+    """Ctrl-C to the launcher ends a job whose ranks sit inside MPI_Recv (hydra only
+    forwards it and waits for a second one) and exits 130, whatever the runner says."""
+    token = f"deadlock-{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "-m", "asynclock.launch", "-n", "2", "--runner",
+                             kind, "--timeout", "45", HELLO, "--deadlock", token],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        blocked = set()
+        for line in proc.stdout:  # the launcher's --timeout ends this loop at the latest
+            blocked |= {line.split()[-1]} if " blocked " in line else set()
+            if len(blocked) == 2:
+                break
+        time.sleep(0.5)  # both ranks inside MPI_Recv
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, len(blocked)) == (130, 2), f"exit {proc.returncode}\n{out}\n{err}"
     assert not _wait_gone(token)
 
 

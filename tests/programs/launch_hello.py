@@ -6,6 +6,8 @@ in hydra's MPI_Finalize after a rank died: 7% of `--fail` jobs). `--hang`: every
 rank blocks forever (the launcher's --timeout must end the job). `--hang
 --announce`: rank 1 first says it stops the job, as the watchdog does, and the
 job still never ends (as hydra after a cut host): the launcher must end it.
+`--deadlock`: every rank blocks inside MPI_Recv, where Python never runs a signal
+handler (a Ctrl-C to the launcher must still end the job).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def main() -> int:
     if "--announce" in sys.argv and comm.rank == 1:
         print("asynclock[rank 1]: rank 0 is unreachable: no heartbeat for 5.1 s; "
               "stopping the job (exit 3)", file=sys.stderr, flush=True)
+    if "--deadlock" in sys.argv:
+        print(f"blocked {comm.rank}", flush=True)
+        comm.recv(source=(comm.rank + 1) % comm.size)  # nobody sends
     if "--hang" in sys.argv:
         print(f"hanging {comm.rank}", flush=True)
         threading.Event().wait()
