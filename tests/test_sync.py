@@ -59,6 +59,19 @@ def test_lock_contract_without_leases(tmp_path: Path) -> None:
 
 
 @RANKS_LOOPS
+def test_deadlines(nranks: int, loop: str, tmp_path: Path) -> None:
+    """Lock, Semaphore(1) and a Condition's lock homed on another rank:
+    `acquire(timeout=0)` takes a free (or idle cached) permit as on the home rank,
+    a grant that crosses a deadline shorter than the round trip is kept, and a
+    semaphore's `n` mismatch under a deadline is a MismatchError; consistency
+    points whose long names differ only at the end are told apart."""
+    job = run_job("sync_misuse.py", nranks, *_args(loop, tmp_path), timeout=120)
+    labels = [f"{check}_{lk}" for check in ("timeout_zero", "deadline_before_answer")
+              for lk in LOCK_KINDS]
+    assert_labels(job, nranks, *labels, "mismatch_under_deadline", "long_point_names")
+
+
+@RANKS_LOOPS
 def test_primitives(nranks: int, loop: str, tmp_path: Path) -> None:
     """Condition notify counts / wait_for / cancel, Event, sequential order and
     cancel, consistency points and their mismatch error."""

@@ -11,7 +11,11 @@ Cancellation rules (tests/test_sync.py checks each):
   at once, before the cancellation propagates.
 * timeout: like cancellation, but the task waits (shielded, bounded by the
   probe deadline) for the manager's answer to build a CollectiveTimeout that
-  names the holder and waiter ranks.
+  names the holder and waiter ranks. A GRANT that crossed the CANCEL is
+  kept (the permit was this task's as the deadline passed), and an ERROR
+  raises as it would without a deadline. `acquire(timeout=0)` is a
+  try-acquire, `acquire_nowait`'s round: a free permit is taken whichever
+  rank is its home, even one cached idle on another rank.
 
 Leases (see `_manager`): a permit granted with a lease stays cached on this
 rank after release, idle, and the next local acquire takes it without
@@ -100,7 +104,8 @@ class Permits:
 
         Args:
             timeout: seconds to wait; None waits for ever (stalls are still probed
-                and reported).
+                and reported); 0 (or less) takes a free permit like `acquire_nowait`,
+                whichever rank is its home.
 
         Raises:
             CollectiveTimeout: not acquired within `timeout`; names the holders and
@@ -111,10 +116,15 @@ class Permits:
         if self._take_local():
             await self._yield_holding()
             return
-        t = self._request(nowait=False)
+        poll = timeout is not None and timeout <= 0  # a try-acquire: `acquire_nowait`'s round
+        t = self._request(nowait=poll)
         if t.reply is None:
             self._contended += 1
-            await self._await_grant(t, timeout)
+            await self._await_grant(t, None if poll else timeout)
+        if t.reply is M.DENY:
+            self._timed_out += 1
+            self.pending.discard(t.id)
+            raise CollectiveTimeout(self._timeout_text(t, timeout, True))
         self._take(t)
 
     async def acquire_nowait(self) -> None:
@@ -133,6 +143,7 @@ class Permits:
         if t.reply is None:
             await self._await_grant(t, None)
         if t.reply is M.DENY:
+            self.pending.discard(t.id)
             raise anyio.WouldBlock(f"{self.kind} {self.name!r} is not free")
         self._take(t)
 
@@ -209,7 +220,6 @@ class Permits:
         finally:
             self._waiting -= 1
         if not ok:
-            self._timed_out += 1
             await self._timeout(t, timeout)
 
     # -- cancellation --------------------------------------------------------------
@@ -230,14 +240,17 @@ class Permits:
             self._svc.send(self.home, (int(M.RELEASE), self.obj, w[2]))
 
     async def _timeout(self, t: Ticket, timeout: float | None) -> None:
-        """Withdraw, learn the home rank's state, raise CollectiveTimeout."""
+        """Withdraw and learn the home rank's state: return where the answer is a
+        grant or an error (the caller takes or raises it), else raise
+        CollectiveTimeout naming the holders and waiters."""
         self._svc.send(self.home, (int(M.CANCEL), self.obj, t.id))
         with anyio.CancelScope(shield=True):
             answered = await self._svc.wait(t, self._svc.policy.probe_s)
+        if t.reply is M.GRANT or t.reply is M.ERROR:
+            return
+        self._timed_out += 1
         self.pending.discard(t.id)
         self._leases.pop(t.id, None)
-        if t.reply is M.GRANT:  # granted as the deadline passed: pass it on
-            self._svc.send(self.home, (int(M.RELEASE), self.obj, t.id))
         if not answered:
             t.abandoned = True
         raise CollectiveTimeout(self._timeout_text(t, timeout, answered))
@@ -248,8 +261,6 @@ class Permits:
         if not answered:
             return (f"{head}; home rank {self.home} did not answer within "
                     f"{self._svc.policy.probe_s:g} s (dead, or its event loop is blocked)")
-        if t.reply is M.GRANT:
-            return f"{head}; granted just as the deadline passed, and passed on"
         _, holders, waiters, _, _ = parse_info(t.words)
         return (f"{head}; held by rank(s) {list(holders)}, other waiters on rank(s) "
                 f"{list(waiters)} (home rank {self.home})")

@@ -142,13 +142,13 @@ class ConsistencyPoint:
     async def _mismatch(self, rnd: int) -> None:
         """Gather every rank's (name, round) by a MAX-allreduce of one row each."""
         size, rank = self._channel.size, self._channel.rank
-        rows = np.full((size, 1 + _NAME_BYTES // 8), _LOW, np.int64)
-        rows[rank, 0] = rnd
-        rows[rank, 1:] = np.frombuffer(self.name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES,
+        rows = np.full((size, 2 + _NAME_BYTES // 8), _LOW, np.int64)
+        rows[rank, 0], rows[rank, 1] = rnd, self._hash
+        rows[rank, 2:] = np.frombuffer(self.name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES,
                                                                               b"\0"), np.int64)
         out = np.empty_like(rows)
         await self._complete(self._channel.p2p_iallreduce_max(rows, out), rnd, None)
-        parts = [f"rank {r}: {_name(out[r])!r} round {int(out[r, 0])}" for r in range(size)]
+        parts = [f"rank {r}: {_label(out[r])} round {int(out[r, 0])}" for r in range(size)]
         raise MismatchError("ranks reached different consistency points: " + "; ".join(parts))
 
     def statistics(self) -> ConsistencyStatistics:
@@ -160,5 +160,10 @@ class ConsistencyPoint:
         return ConsistencyStatistics(self.name, self._round, self._spun)
 
 
-def _name(row: np.ndarray[Any, Any]) -> str:
-    return row[1:].tobytes().rstrip(b"\0").decode(errors="replace")
+def _label(row: np.ndarray[Any, Any]) -> str:
+    """A point's name as sent: its first `_NAME_BYTES` bytes and, where it fills
+    them (it may be cut), its crc32, so names that differ further on read apart."""
+    name = row[2:].tobytes().rstrip(b"\0").decode(errors="replace")
+    if len(name.encode()) < _NAME_BYTES:
+        return repr(name)
+    return f"{name + '...'!r} (crc32 {int(row[1]):08x})"

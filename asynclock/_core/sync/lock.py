@@ -61,7 +61,7 @@ class Lock(Permits):
 
         Args:
             timeout: seconds to wait; None waits for ever (stalls are still probed
-                and reported).
+                and reported); 0 (or less) takes the lock only if it is free now.
 
         Raises:
             RuntimeError: the current task already holds the lock.
