@@ -63,7 +63,7 @@ class PermitStatistics:
     held_here: int
     tasks_waiting: int
     acquired: int
-    contended: int
+    contended: int  # acquires that waited for an answer: held, or homed on another rank
     cancelled: int
     timed_out: int
     orphaned: int  # grants that landed after their task left, passed on
