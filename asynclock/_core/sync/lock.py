@@ -25,7 +25,7 @@ class LockStatistics:
     owner_task: str | None  # name of this rank's holding task
     tasks_waiting: int
     acquired: int
-    contended: int
+    contended: int  # acquires that waited for an answer: held, or homed on another rank
     cancelled: int
     timed_out: int
     orphaned: int
