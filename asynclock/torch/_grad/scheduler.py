@@ -312,11 +312,11 @@ class Scheduler:
         name = f"grad.g{run.generation}.b{k}"
         if tensor.is_cuda or (staging.cpu_twin() and group_of(self.lane) is not None):
             # over NCCL (on CPU tensors, gloo: the twin), on the device's own stream
-            buf = device_buffer(tensor) if tensor.is_cuda else as_buffer(tensor, writable=True)
+            buf = device_buffer(tensor) if tensor.is_cuda else run.storage.buffer(k)
             op = bucket_op(self.lane, buf, name, done, checked)
             make_pg_bucket(op)
             return op
-        buf = as_buffer(tensor, writable=True)
+        buf = run.storage.buffer(k)
         if run.handed is None or not run.storage.grouped_bucket(k):
             return bucket_op(self.lane, buf, name, done, checked)
         b = run.plan.buckets[k]

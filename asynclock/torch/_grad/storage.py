@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..._core.base.tensors import Buffer, as_buffer
 from .buckets import Bucket, Plan
 from .grouped import GROUPED_DTYPES
 from .registry import ParamRegistry
@@ -87,6 +88,7 @@ class GradStorage:
                          for g, n in plan.group_numel.items()}
         self.writable: Callable[[], None] = _nothing
         self.comm = [self.flat[b.group][b.offset: b.offset + b.numel] for b in plan.buckets]
+        self._buffers: dict[int, Buffer] = {}  # `buffer`
         self.region: dict[int, torch.Tensor] = {}
         self.direct: dict[int, bool] = {}
         self.group_of: dict[int, str] = {}
@@ -98,6 +100,14 @@ class GradStorage:
             self.group_of[i] = group
         self.grouped = {g for g in self.flat if grouped and _groupable(g, self)}
         self.hands = set(self.flat) if arena is not None else self.grouped  # handed groups
+
+    def buffer(self, k: int) -> Buffer:
+        """Bucket k's flat numpy view, made once per plan: the loop launches every bucket
+        every round, and each torch call there waits for the GIL backward's thread holds."""
+        buf = self._buffers.get(k)
+        if buf is None:
+            buf = self._buffers[k] = as_buffer(self.comm[k], writable=True)
+        return buf
 
     def grouped_bucket(self, k: int) -> bool:
         """Bucket k goes to Horovod as a group of handed tensors (see `grouped`)."""
