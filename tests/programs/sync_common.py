@@ -21,6 +21,19 @@ def homed(prefix: str, rank: int, size: int) -> str:
     return f"{prefix}-{i}"
 
 
+# The lock-like primitives every lock check runs against, by the labels the tests expect.
+LOCK_KINDS: dict[str, Callable[[Any, str], Any]] = {
+    "lock": lambda c, name: c.lock(name),
+    "sem1": lambda c, name: c.semaphore(name, 1),
+    "cond": lambda c, name: c.condition(name),
+}
+
+
+def homed_lock(c: Any, kind: str, tag: str, home: int = 0) -> Any:
+    """A `kind` primitive (`LOCK_KINDS`) for check `tag`, homed on rank `home`."""
+    return LOCK_KINDS[kind](c, homed(f"{kind}-{tag}", home, c.size))
+
+
 async def until(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     """Poll `pred` (yielding to the loop) until true; fail loudly at the deadline."""
     with anyio.fail_after(timeout):

@@ -8,6 +8,7 @@ polling the home rank's state, never by sleeping. Usage:
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ import anyio
 from _common import report
 from mpi4py import MPI
 from sync_common import (
+    LOCK_KINDS,
     append,
     base,
     homed,
+    homed_lock,
     lines,
     run_or_abort,
     settle,
@@ -29,11 +32,6 @@ import asynclock
 from asynclock import CollectiveTimeout
 
 TASKS, ITERS = 3, 15
-KINDS = {
-    "lock": lambda c, name: c.lock(name),
-    "sem1": lambda c, name: c.semaphore(name, 1),
-    "cond": lambda c, name: c.condition(name),
-}
 
 
 async def check_exclusion(c: asynclock.Coordinator, lk: Any, counter: Path) -> None:
@@ -364,9 +362,8 @@ async def check_semaphore_mismatch(c: asynclock.Coordinator) -> None:
 async def main() -> None:
     wd = workdir()
     async with asynclock.start() as c:
-        for kind, make in KINDS.items():
-            def lk(tag: str, home: int = 0, kind: str = kind, make: Any = make) -> Any:
-                return make(c, homed(f"{kind}-{tag}", home, c.size))
+        for kind in LOCK_KINDS:
+            lk = partial(homed_lock, c, kind)
             await check_exclusion(c, lk("excl", c.size - 1), wd / f"{kind}.counter")
             await check_exclusion(c, lk("excl0", 0), wd / f"{kind}.counter0")
             report(c.rank, f"exclusion_{kind}")

@@ -10,20 +10,15 @@ than the one acquiring, so every acquire needs the home rank's answer. Usage:
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Any
 
 import anyio
 from _common import expect_async, report
-from sync_common import base, homed, run_or_abort, settle
+from sync_common import LOCK_KINDS, base, homed, homed_lock, run_or_abort, settle
 
 import asynclock
 from asynclock import CollectiveTimeout, MismatchError
-
-KINDS = {
-    "lock": lambda c, name: c.lock(name),
-    "sem1": lambda c, name: c.semaphore(name, 1),
-    "cond": lambda c, name: c.condition(name),
-}
 
 
 async def check_timeout_zero(c: asynclock.Coordinator, lk: Any) -> None:
@@ -93,9 +88,8 @@ async def check_long_point_names(c: asynclock.Coordinator) -> None:
 
 async def main() -> None:
     async with asynclock.start() as c:
-        for kind, make in KINDS.items():
-            def lk(tag: str, home: int, kind: str = kind, make: Any = make) -> Any:
-                return make(c, homed(f"{kind}-{tag}", home, c.size))
+        for kind in LOCK_KINDS:
+            lk = partial(homed_lock, c, kind)
             with anyio.fail_after(60):
                 await check_timeout_zero(c, lk("zero", c.size - 1))
                 await check_timeout_zero(c, lk("zero0", 0))
