@@ -66,6 +66,10 @@ DECLARED: tuple[Setting, ...] = (
        agree=True, choices=("auto", "mpi", "gloo", "measure")),
     _s("GLOO_MIN_BYTES", "number", "16777216", "Smallest allreduce the gloo bulk path may "
        "take.", agree=True),
+    _s("GLOO_ROUNDS", "flag", "1", "Where the gloo bulk path takes every gradient bucket "
+       "(across hosts where MPI's blocking allreduce spins), the thread that packs a bucket "
+       "starts its gloo allreduce, and each round is checked once (0: every bucket through "
+       "the event loop and the wait thread).", agree=True),
     _s("NODE_WINDOW", "flag", "1", "Reduce through the node's shared-memory window: large "
        "allreduces where every node holds the same number of ranks, more than one (reduced "
        "there, then across nodes over MPI, one slice per local rank; "

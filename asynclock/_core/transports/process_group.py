@@ -165,6 +165,10 @@ class PGGroup:
                 self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, opts)
         return self.pg
 
+    def connect(self) -> None:
+        """Connect now (collective over the group's ranks; blocks until all have)."""
+        self._connected()
+
     def device(self) -> Any:
         """Where this rank's tensors for the group live when it makes its own (a joined
         rank's stand-in): its current GPU for NCCL, the CPU for gloo."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..._core.api.collectives import LaneCollectives
+from ..._core.base import settings
 from ..._core.base.errors import CollectiveTimeout, JoinedError, MismatchError
 from ..._core.base.ops import ReduceOp
 from ..._core.device.events import record, stream_wait
@@ -40,13 +41,16 @@ from ..._core.engine.device_pg import group_of
 from ..._core.engine.operation import Lane
 from ..._core.runtime.coordinator import Coordinator
 from ..._core.transports.node_segment import free_bytes, share_file
+from ..._core.transports.process_group import PGGroup
 from .apply import Updates, hyperparameters
 from .buckets import Caps, Plan, bucket_ready_times, build_plan
+from .gloo_rounds import GlooRounds, bulk_min_bytes, rounds_group, takes_plan
 from .hooks import Bucketer
 from .loop_access import LoopAccess
 from .priority import link_speed, priority_launch
 from .registry import ParamRegistry
 from .release import Held
+from .rounds import CheckedRounds
 from .scheduler import Scheduler
 from .shard import Shards
 from .shm import SharedArena, ShmTransport, eligible, file_bytes, mpi_window
@@ -169,7 +173,7 @@ class Reducer:
         self.bucketer.on_loop_thread = loop.on_loop_thread
         self.replan_due = options.replan
         self.broken: BaseException | None = None  # a failed bucket desynchronizes the channel
-        self.transport: ShmTransport | None = None
+        self.transport: CheckedRounds | None = None  # a round path: shared memory or gloo
         self._retired_counts = (0, 0)  # buckets of transports replaced by a re-plan
         self._previous: StepRun | None = None  # the last closed round
         self.storage.writable = self._writable
@@ -418,19 +422,29 @@ class Reducer:
             return False
         self.replan_due = False
         mine = (self._proposal(run) if self.grad_lane.rank == 0 else None,
-                self.options.shm and not self.on_gpu and eligible(self.coord, self.grad_lane))
+                self.options.shm and not self.on_gpu and eligible(self.coord, self.grad_lane),
+                self._gloo_min_bytes())
         try:
             every = self.loop.run(partial(self.lane.allgather_object, mine, name="grad.plan"))
         except JoinedError:  # a rank joined before its first round: re-plan when all are back
             self.replan_due = True
             return False
         order, launch = every[0][0]
-        shm = all(ok for _, ok in every)
+        shm = all(ok for _, ok, _ in every)
         # rank 0 timed round 1's allreduces; shared-memory buckets keep pace with
         # backward, so they simply go in ready order (a priority order would make
         # early buckets wait for late ones in the one-at-a-time pipeline)
-        self._adopt(self._plan(list(order), None if shm else launch), shm)
+        plan = self._plan(list(order), None if shm else launch)
+        least = [m for _, _, m in every]
+        gloo = not shm and None not in least and takes_plan(plan, max(m or 0 for m in least))
+        self._adopt(plan, shm, gloo)
         return True
+
+    def _gloo_min_bytes(self) -> int | None:
+        """The smallest bucket this rank's gloo round path takes (None: no such path)."""
+        if self.on_gpu or self._horovod_groups() or not settings.flag("ASYNCLOCK_GLOO_ROUNDS"):
+            return None
+        return bulk_min_bytes(self.grad_lane)
 
     def _proposal(self, run: StepRun) -> tuple[list[int], tuple[int, ...] | None]:
         order = list(run.final_order)
@@ -445,8 +459,9 @@ class Reducer:
         return order, priority_launch(ready, [b.nbytes for b in plan.buckets],
                                       seconds_per_byte=spb)
 
-    def _adopt(self, plan: Plan, shm: bool = False) -> None:
-        """Switch to `plan` (and, if every rank can, to shared-memory buckets)."""
+    def _adopt(self, plan: Plan, shm: bool = False, gloo: bool = False) -> None:
+        """Switch to `plan` (and, if every rank can, to shared-memory buckets, or to
+        buckets over gloo that skip the loop)."""
         arena = self._make_arena(plan) if shm else None
         storage = GradStorage(plan, self.registry, arena, arena is None and self._horovod_groups())
         storage.adopt()
@@ -459,11 +474,24 @@ class Reducer:
         self.transport = None if arena is None else ShmTransport(
             self.coord.lowlevel.engine, self.grad_lane, arena, plan, storage.peers, self.post,
             self.loop.call_soon, storage.handed)
+        if gloo:
+            self.transport = GlooRounds(
+                self.coord.lowlevel.engine, self.grad_lane, self._gloo_group(), plan,
+                storage.comm, self.post, self.loop.call_soon)
         if self.transport is not None:
             self.held.transports.append(self.transport)
         self.plan, self.storage = plan, storage
         self.bucketer.storage = storage
         self.generation += 1
+
+    def _gloo_group(self) -> PGGroup:
+        """The gloo round path's own group, connected now (every rank adopts the plan
+        together, in this thread, which may block; the loop runs on)."""
+        group: PGGroup = self.loop.run(partial(
+            making.make, self.coord.lowlevel.engine, self.grad_lane, "gloo rounds",
+            lambda: rounds_group(self.grad_lane, self.generation + 1),
+            discard=PGGroup.abort))
+        return group
 
     def _make_arena(self, plan: Plan) -> SharedArena | None:
         """The plan's shared window: MPI's, or a mapped file where there is no MPI world."""
@@ -555,7 +583,8 @@ def start_sharding(reducer: Reducer, optimizer: torch.optim.Optimizer,
     """After round 1 (applied whole, every rank alike): move parameters and state
     into the node's window; the pipeline updates this rank's pieces from now on."""
     transport = reducer.transport
-    if transport is None or transport.pipeline is None or transport.arena is None:
+    if (not isinstance(transport, ShmTransport) or transport.pipeline is None
+            or transport.arena is None):
         raise RuntimeError("shard_optimizer=True: not every rank could use the shared-"
                            "memory window, so the optimizer cannot be sharded")
     node, plan, flat = transport.arena.node, reducer.plan, reducer.storage.flat
@@ -593,5 +622,5 @@ def sync_shards(reducer: Reducer, shards: Shards) -> StepRun:
 
 def _wake_pipeline(reducer: Reducer) -> None:
     transport = reducer.transport
-    if transport is not None and transport.pipeline is not None:
+    if isinstance(transport, ShmTransport) and transport.pipeline is not None:
         transport.pipeline.wake()

@@ -23,7 +23,6 @@ buckets go as plain allreduces on the lane, which joined ranks stand in for.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -32,16 +31,15 @@ import torch
 
 from ..._core.base import settings
 from ..._core.base.errors import JoinedError
-from ..._core.base.tensors import as_buffer
 from ..._core.engine.operation import Lane
 from ..._core.engine.progress import Engine
 from ..._core.runtime import failure
 from ..._core.transports.shared_window import CTL_BYTES, FENCE_OK, SharedWindow
 from .buckets import Plan
-from .scheduler import BucketOp, RoundCheck, bucket_op, round_tag
+from .rounds import CheckedRounds, Round
+from .scheduler import RoundCheck
 from .shm_chunks import HandedGrads, chunk
 from .shm_pipeline import RoundJob, ShmPipeline
-from .step_run import StepRun
 
 ALIGN = 64
 SHARDED_JOIN = ("a rank joined (hvd.join()) while shard_optimizer=True: every rank updates "
@@ -126,119 +124,51 @@ def file_bytes(size: int, group_bytes: dict[str, int]) -> int:
     return size * (CTL_BYTES + layout(group_bytes)[1])
 
 
-class _Round:
-    """One round's state, shared by the hook thread and the loop (under `lock`)."""
-
-    def __init__(self, run: StepRun) -> None:
-        self.run = run
-        self.order = run.plan.launch
-        self.lock = threading.Lock()
-        self.ready = [False] * len(self.order)  # by bucket index
-        self.launched = 0  # launch-order prefix packed on this rank
-        self.job: RoundJob | None = None  # handed to the pipeline once checked
-        self.failed: BaseException | None = None
-        self.started = 0  # this rank's count of checked stages, this round's included
-        self.over_mpi: int | None = None  # a rank joined: buckets issued as plain allreduces
-        self.landed = 0  # ... and completed
-
-
-class ShmTransport:
+class ShmTransport(CheckedRounds):
     """One checked MPI stage per round; every bucket goes straight to the pipeline.
 
     Hooks report packed buckets from the backward thread (`packed`), which
     hands the launch-order prefix to `ShmPipeline` with no event-loop hop;
     the pipeline marks buckets done itself. The loop only issues each
-    round's stage: an allreduce whose name carries a checksum of the plan
-    (ranks on different plans raise the same MismatchError) and which a
-    joined rank refuses on every rank (that round's buckets then go as plain
-    MPI allreduces that joined ranks stand in for).
+    round's checked stage (`CheckedRounds`).
     """
 
     def __init__(self, engine: Engine, lane: Lane, arena: SharedArena | None, plan: Plan,
                  peers: dict[str, list[torch.Tensor]], post: float,
                  call_soon: Callable[[Callable[[], object]], None],
                  handed: HandedGrads | None = None) -> None:
-        self.engine, self.lane, self.arena, self.plan = engine, lane, arena, plan
-        self.peers, self.post, self._call_soon = peers, post, call_soon
-        self.handed = handed
+        super().__init__(engine, lane, plan, post, call_soon)
+        self.arena, self.peers, self.handed = arena, peers, handed
         self.pipeline = None if arena is None else ShmPipeline(
             arena.window, plan, peers, post, call_soon, lambda: engine.failure, handed)
         if self.pipeline is not None:
             engine.watched.append(self.pipeline.stalled)
-        self._rounds: dict[int, _Round] = {}
-        self._lock = threading.Lock()  # guards _rounds and the counts
         self._index = 0  # shared-memory rounds handed to the pipeline so far (loop only)
-        self._started = 0  # rounds whose checked stage was asked for (under _lock)
-        self._all_started = 0  # ... and that every rank has asked for, as far as told (loop)
+        self._all_started = 0  # rounds every rank has asked to check, as far as told (loop)
         self._agreeing: dict[int, RoundCheck] = {}  # checked stages in flight, by start count
-        self.launched = self.completed = 0
 
     # -- hook thread ---------------------------------------------------------------
-    def packed(self, run: StepRun, k: int) -> None:
-        """Bucket k is packed on this rank (any thread): pass the new prefix on."""
-        rnd = self._round(run)
-        with rnd.lock:
-            if rnd.failed:
-                return
-            rnd.ready[k] = True
-            before = rnd.launched
-            while rnd.launched < len(rnd.order) and rnd.ready[rnd.order[rnd.launched]]:
-                rnd.launched += 1
-            launched = rnd.launched
-            if rnd.job is not None and self.pipeline is not None:
-                self.pipeline.packed(rnd.job, launched)  # under the lock: counts never regress
-            start = not rnd.started and launched > 0 and rnd.job is None
-            if start:
-                rnd.started = self._announce()
-            loop_needed = start or (rnd.over_mpi is not None and launched > before)
-        self._count(launched - before, 0)
-        if loop_needed:
-            self._call_soon(partial(self._advance, rnd))
+    def _prefix_grew(self, rnd: Round, before: int) -> None:
+        if rnd.job is not None and self.pipeline is not None:
+            self.pipeline.packed(rnd.job, rnd.launched)  # under the lock: counts never regress
 
     def _announce(self) -> int:
         """Count this round's checked stage and tell the peers' pipelines (see
         `ShmPipeline.announce`), so they know when to test it."""
-        with self._lock:
-            self._started = started = self._started + 1
+        started = super()._announce()
         if self.pipeline is not None:
             self.pipeline.announce(started, self._all_have_started)
         return started
-
-    def _round(self, run: StepRun) -> _Round:
-        with self._lock:
-            rnd = self._rounds.get(run.number)
-            if rnd is None:
-                rnd = self._rounds[run.number] = _Round(run)
-            return rnd
-
-    def _count(self, launched: int, completed: int) -> None:
-        with self._lock:
-            self.launched += launched
-            self.completed += completed
 
     def describe(self) -> str:
         """Stall text from the pipeline's view of every rank's counters."""
         return self.pipeline.describe() if self.pipeline is not None else ""
 
     # -- loop --------------------------------------------------------------------
-    def _advance(self, rnd: _Round) -> None:
-        with rnd.lock:
-            if rnd.failed or rnd.job is not None:
-                return None
-            if rnd.over_mpi is not None:
-                ops = self._over_mpi_ops(rnd)
-            else:
-                ops, value = [], rnd.launched
-        if rnd.over_mpi is not None:  # submitted with the lock let go: one may end inline
-            for op in ops:
-                self.engine.submit(op)
-            return None
-        agree = RoundCheck(self.lane, f"{self._tag(rnd)}.s1", value, partial(self._checked, rnd))
+    def _check_made(self, rnd: Round, check: RoundCheck) -> None:
         if self.pipeline is not None and rnd.started > self._all_started:
-            agree.awaiting_hint = True  # the pipeline says when every rank issued it
-            self._agreeing[rnd.started] = agree
-        self.engine.submit(agree)
-        return None
+            check.awaiting_hint = True  # the pipeline says when every rank issued it
+            self._agreeing[rnd.started] = check
 
     def _all_have_started(self, started: int) -> None:
         """Every rank has issued checked stage number `started` (loop thread)."""
@@ -247,21 +177,15 @@ class ShmTransport:
         if agree is not None and agree.awaiting_hint:
             self.engine.hint(agree)
 
-    def _tag(self, rnd: _Round) -> str:
-        return round_tag(self.plan, rnd.run.generation)
-
-    def _checked(self, rnd: _Round, _least: int, err: BaseException | None) -> None:
-        """The round's stage passed on every rank: the pipeline takes it from here."""
+    def _checked(self, rnd: Round, least: int, err: BaseException | None) -> None:
         self._agreeing.pop(rnd.started, None)
         sharded = self.pipeline is not None and self.pipeline.shard is not None
         if isinstance(err, JoinedError) and sharded:
             return self._fail(rnd, JoinedError(SHARDED_JOIN))  # nobody updates its pieces
-        if isinstance(err, JoinedError):  # no data moved yet this round
-            with rnd.lock:
-                rnd.over_mpi = 0
-            return self._advance(rnd)
-        if err is not None:
-            return self._fail(rnd, err)
+        return super()._checked(rnd, least, err)
+
+    def _take_over(self, rnd: Round) -> None:
+        """The round's stage passed on every rank: the pipeline takes it from here."""
         assert self.pipeline is not None
         with rnd.lock:  # from here on the hook thread feeds the job directly
             rnd.job = job = RoundJob(self._index, tuple(rnd.order), rnd.launched,
@@ -269,10 +193,9 @@ class ShmTransport:
                                      rnd.run.release, run_number=rnd.run.number)
         self._index += 1
         self.pipeline.submit(job)
-        return None
 
     # -- pipeline thread -----------------------------------------------------------
-    def _gathered(self, rnd: _Round, positions: range) -> None:
+    def _gathered(self, rnd: Round, positions: range) -> None:
         with rnd.lock:
             if rnd.failed:
                 return
@@ -284,31 +207,15 @@ class ShmTransport:
                 del self._rounds[rnd.run.number]  # the pipeline releases the buffers
 
     # -- joined ranks (loop) ---------------------------------------------------------
-    def _over_mpi_ops(self, rnd: _Round) -> list[BucketOp]:
-        """A rank has joined (`engine.join`): shared memory needs every rank's own
-        data, so this round's buckets go, in launch order, as plain allreduces that
-        joined ranks stand in for. Every active rank saw the same refusal of stage 1.
-        Called with `rnd.lock` held; the caller submits them."""
-        assert rnd.over_mpi is not None
-        ops = []
+    def _mpi_view(self, k: int) -> torch.Tensor:
         me = self.arena.rank if self.arena is not None else 0
-        while rnd.over_mpi < rnd.launched:
-            k = rnd.order[rnd.over_mpi]
-            b = self.plan.buckets[k]
-            if self.handed is not None:
-                self.handed.flush(b, self.peers[b.group][me])
-            view = self.peers[b.group][me][b.offset: b.offset + b.numel]
-            done = partial(self._reduced_over_mpi, rnd, k, view)
-            ops.append(bucket_op(self.lane, as_buffer(view, writable=True),
-                                 f"{self._tag(rnd)}.m{rnd.over_mpi}", done))
-            rnd.over_mpi += 1
-        return ops
+        b = self.plan.buckets[k]
+        if self.handed is not None:
+            self.handed.flush(b, self.peers[b.group][me])
+        return self.peers[b.group][me][b.offset: b.offset + b.numel]
 
-    def _reduced_over_mpi(self, rnd: _Round, k: int, view: torch.Tensor, op: BucketOp) -> None:
-        if rnd.failed:
-            return
-        if op.error is not None:
-            return self._fail(rnd, op.error)
+    def _scale(self, view: torch.Tensor, then: Callable[[BaseException | None], None]) -> None:
+        """In the pipeline's thread: the loop does no arithmetic on buckets."""
         post = self.post
 
         def scale() -> None:
@@ -316,36 +223,7 @@ class ShmTransport:
                 view.mul_(post)
 
         assert self.pipeline is not None
-        self.pipeline.run_soon(scale, partial(self._landed, rnd, k))
-        return None
-
-    def _landed(self, rnd: _Round, k: int, err: BaseException | None) -> None:
-        if rnd.failed:
-            return
-        if err is not None:
-            return self._fail(rnd, err)
-        rnd.run.finish(k, None)
-        self._count(0, 1)
-        rnd.landed += 1
-        if rnd.landed == rnd.run.size:  # MPI read our buffers inside each op: no barrier
-            with self._lock:
-                del self._rounds[rnd.run.number]
-            rnd.run.release(None)
-        return None
-
-    def _fail(self, rnd: _Round, err: BaseException) -> None:
-        """Fail every bucket of the round not yet done, and release its buffers (any
-        thread). The round stays registered, failed: a bucket packed later (ranks
-        pack at their own pace) must not start a fresh round whose stage op only
-        this rank would issue (seen as a desync at shutdown)."""
-        with rnd.lock:
-            if rnd.failed:
-                return
-            rnd.failed = err
-            for k in rnd.order:
-                if not rnd.run.done[k].is_set():
-                    rnd.run.finish(k, err)
-        rnd.run.release(err)
+        self.pipeline.run_soon(scale, then)
 
     def close(self) -> None:
         if self.pipeline is not None:

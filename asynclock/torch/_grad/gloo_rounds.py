@@ -1,0 +1,144 @@
+"""Gradient rounds across hosts over gloo, with no event-loop hop per bucket.
+
+Where the channel's bulk allreduces go over gloo at every bucket size (across
+hosts where MPI's blocking allreduce spins: `transports.gloo_bulk`), a bucket
+would otherwise travel hook thread -> loop (launch) -> wait thread (gloo's
+call and its wait) -> loop (completion) -> the consumer: two cross-thread
+wake-ups of the loop and one of the wait thread per bucket, on the cores that
+run backward. Here, as in DDP's reducer, the thread that packs a bucket
+starts its gloo allreduce itself, and gloo's own thread marks it done.
+
+Each round is still checked once, on the loop, like a shared-memory round
+(`CheckedRounds`): an allreduce whose name carries the plan's checksum, which
+a joined rank refuses on every rank. Until it passes, packed buckets wait;
+then every bucket goes in launch order, issued under the round's lock, so
+gloo sees the same calls in the same order on every rank (invariant 1). The
+group is the round path's own gloo group, made when the plan is adopted, so
+no other call on the channel can interleave with the buckets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..._core.base.errors import BackendError
+from ..._core.base.ops import ReduceOp
+from ..._core.engine.operation import Lane
+from ..._core.engine.progress import Engine, InflightOp
+from ..._core.transports.gloo_bulk import GLOO_DTYPES
+from ..._core.transports.process_group import PGGroup
+from .buckets import Plan
+from .rounds import CheckedRounds, Round
+
+__all__ = ["GlooRounds", "bulk_min_bytes", "rounds_group", "takes_plan"]
+
+
+def _gloo(lane: Lane) -> Any:
+    """The lane's gloo bulk path (`gloo_bulk.GlooGroup`), or None."""
+    view = getattr(lane.transport, "bulk_view", None)
+    return getattr(view(), "gloo", None) if view is not None else None
+
+
+def bulk_min_bytes(lane: Lane) -> int | None:
+    """The smallest allreduce the lane's gloo bulk path takes, or None without one."""
+    gloo = _gloo(lane)
+    if gloo is None:
+        return None
+    least: int | None = gloo.store.min_bytes
+    return least
+
+
+def rounds_group(lane: Lane, generation: int) -> PGGroup:
+    """A gloo group of the lane's ranks for plan `generation`'s rounds, connected
+    (collective over the lane: the reducer makes it as an agreed call)."""
+    gloo = _gloo(lane)
+    group: PGGroup = gloo.store.channel_group(f"{lane.transport.name}.rounds{generation}",
+                                              "gloo", lane.rank, lane.size)
+    group.connect()
+    return group
+
+
+def takes_plan(plan: Plan, min_bytes: int | None) -> bool:
+    """Every bucket of `plan` goes to gloo (in a dtype gloo sums, at least `min_bytes`)."""
+    return (min_bytes is not None and bool(plan.buckets)
+            and all(b.nbytes >= min_bytes for b in plan.buckets)
+            and all(g in GLOO_DTYPES for g in plan.group_numel))
+
+
+class GlooRounds(CheckedRounds):
+    """One checked stage per round on the loop; every bucket then goes to gloo from
+    the thread that packed it, and gloo's thread finishes it (`_landed_gloo`)."""
+
+    def __init__(self, engine: Engine, lane: Lane, group: PGGroup, plan: Plan,
+                 comm: list[torch.Tensor], post: float,
+                 call_soon: Callable[[Callable[[], object]], None]) -> None:
+        super().__init__(engine, lane, plan, post, call_soon)
+        self.group, self.comm = group, comm
+        self._issued_at: dict[tuple[int, int], float] = {}  # (round, bucket): in flight since
+        engine.watched.append(self.stalled)
+
+    # -- hook thread (or the loop once the check passed), under the round's lock -----
+    def _prefix_grew(self, rnd: Round, before: int) -> None:
+        if rnd.job is not None:
+            self._issue(rnd, range(before, rnd.launched))
+
+    def _issue(self, rnd: Round, positions: range) -> None:
+        """Start bucket allreduces in launch order; the order is the round lock's."""
+        for p in positions:
+            k = rnd.order[p]
+            self._issued_at[(rnd.run.number, k)] = time.perf_counter()
+            try:
+                work = self.group.issue_allreduce(self.comm[k], ReduceOp.SUM)
+            except Exception as exc:  # noqa: BLE001 - gloo refused: the round fails here
+                self._call_soon(partial(self._fail, rnd, BackendError(
+                    f"gradient bucket {k} over gloo: {exc}")))
+                return
+            work.get_future().add_done_callback(partial(self._landed_gloo, rnd, k))
+
+    # -- the loop, once the round's check passed -------------------------------------
+    def _take_over(self, rnd: Round) -> None:
+        with rnd.lock:
+            rnd.job = True
+            self._issue(rnd, range(rnd.launched))
+
+    # -- gloo's thread ---------------------------------------------------------------
+    def _landed_gloo(self, rnd: Round, k: int, fut: Any) -> None:
+        self._issued_at.pop((rnd.run.number, k), None)
+        try:
+            fut.value()
+        except Exception as exc:  # noqa: BLE001 - a peer's failure: the round fails
+            self._fail(rnd, BackendError(f"gradient bucket {k} over gloo: {exc}"))
+            return
+        if self.post != 1.0:
+            self.comm[k].mul_(self.post)
+        self._landed(rnd, k, None)
+
+    # -- reports ---------------------------------------------------------------------
+    def describe(self) -> str:
+        now = time.perf_counter()
+        waiting = sorted(self._issued_at.items(), key=lambda kv: kv[1])
+        if not waiting:
+            return ""
+        (number, k), since = waiting[0]
+        return (f"gloo round {number}: bucket {k} in flight for {now - since:.1f}s, "
+                f"{len(waiting)} bucket(s) waiting for the other ranks' gloo calls")
+
+    def stalled(self) -> InflightOp | None:
+        waiting = list(self._issued_at.items())
+        if not waiting:
+            return None
+        (number, k), since = min(waiting, key=lambda kv: kv[1])
+        return InflightOp(f"gradient bucket {k} of round {number} over gloo ({self.describe()})",
+                          time.perf_counter() - since, -1, number, k)
+
+    def close(self) -> None:
+        if self.stalled in self.engine.watched:
+            self.engine.watched.remove(self.stalled)
+        self.group.abort()
+
+
