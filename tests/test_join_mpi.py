@@ -69,6 +69,15 @@ def test_join_with_shared_memory_gradient_rounds() -> None:
     assert job.output.count("OK hvd_optimizer over shared memory") == 3, job.explain()
 
 
+def test_join_with_gloo_gradient_rounds() -> None:
+    """Rounds whose buckets go to gloo from the packing thread: once a rank joins, each
+    round's check is refused on every rank and its buckets go over MPI, stood in for."""
+    job = run_job("join.py", 3, "--hvd", "--gloo-rounds", timeout=120)
+    assert_all_ok(job, 3)
+    assert job.output.count("OK hvd_optimizer over gloo rounds") == 3, job.explain()
+    assert job.ok_lines("hvd_second_optimizer") == {0, 1, 2}, job.explain()
+
+
 @pytest.mark.parametrize("shm", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["mpi-buckets", "shm-buckets"])
 def test_join_before_the_first_round_defers_the_replan(shm: bool) -> None:

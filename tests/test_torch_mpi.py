@@ -5,7 +5,8 @@ run once per (program, ranks, backend, transport, loop) and each test
 asserts its own labels, so every behaviour has a named test without extra
 jobs. `transport` picks how buckets travel after the first round: through
 the shared-memory window ("shm", the default when all ranks share a node)
-or as one MPI allreduce per bucket ("allreduce", ASYNCLOCK_NODE_WINDOW=0).
+or as one MPI allreduce per bucket ("allreduce", ASYNCLOCK_NODE_WINDOW=0), or over
+gloo from the packing thread ("gloo", as across hosts where MPI's blocking call spins).
 
 `backend` runs the same programs on the MPI transport and, where Horovod
 loads, on the Horovod transport (ASYNCLOCK_BACKEND=horovod, under the MPI
@@ -37,6 +38,8 @@ def job(program: str, nranks: int, backend: str, transport: str, *args: str,
         kind: str = MPI_KIND) -> Job:
     env = {"ASYNCLOCK_BACKEND": backend,
            "ASYNCLOCK_NODE_WINDOW": "1" if transport == "shm" else "0"}
+    if transport == "gloo":  # every bucket to gloo, as across hosts where MPI's call spins
+        env |= {"ASYNCLOCK_BULK": "gloo", "ASYNCLOCK_GLOO_MIN_BYTES": "1"}
     if backend == "horovod":
         kind, why = horovod_status()
         if why:
@@ -63,8 +66,8 @@ def cases(names: str, rows: list[tuple[object, ...]],
 # -- Horovod API (torch_grads.py) ------------------------------------------------------
 # The Horovod transport at 3 ranks in CI, at 2 as well with --long.
 grads_cases = cases("backend, nranks, transport", [
-    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("horovod", 3, "allreduce")],
-    long_rows=[("mpi", 2, "allreduce"), ("horovod", 2, "allreduce")])
+    ("mpi", 2, "shm"), ("mpi", 3, "shm"), ("mpi", 3, "gloo"), ("horovod", 3, "allreduce")],
+    long_rows=[("mpi", 2, "allreduce"), ("mpi", 2, "gloo"), ("horovod", 2, "allreduce")])
 
 
 def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
@@ -154,14 +157,14 @@ def test_different_hook_order_per_rank_still_agrees(nranks: int, transport: str,
 @grads_cases
 def test_mismatches_raise_same_error_on_every_rank(nranks: int, transport: str,
                                                    backend: str) -> None:
-    shm = ["mismatch_buckets_shm"] if transport == "shm" else []
+    shm = [f"mismatch_buckets_{transport}"] if transport in ("shm", "gloo") else []
     grads(nranks, transport, backend, "mismatch_params", "mismatch_options", "mismatch_buckets",
           "mismatch_buckets_allreduce", *shm)
 
 
 # -- async API (torch_async.py) --------------------------------------------------------
 async_cases = cases("backend, nranks, loop, transport", [
-    ("mpi", 2, "asyncio", "shm"), ("mpi", 3, "trio", "allreduce"),
+    ("mpi", 2, "asyncio", "shm"), ("mpi", 3, "trio", "allreduce"), ("mpi", 2, "asyncio", "gloo"),
     ("horovod", 3, "trio", "allreduce")], long_rows=[("horovod", 2, "asyncio", "allreduce")])
 
 

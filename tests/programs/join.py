@@ -3,7 +3,8 @@
 Default: the async API (`await coord.join()`); `--hvd`: Horovod's test pattern
 and a DistributedOptimizer with uneven batches (`--hvd --horovod`: the same on real
 Horovod, whose join semantics these checks pin down) (`--shm` keeps shared-memory
-gradient rounds on: once a rank joins, rounds fall back to MPI allreduces).
+gradient rounds on, `--gloo-rounds` sends them over gloo from the packing thread:
+once a rank joins, rounds fall back to MPI allreduces).
 Rank r runs `2 + r` steps, so rank 0 joins first and the last rank joins last.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 
 if "--hvd" in sys.argv and "--shm" not in sys.argv:
     os.environ["ASYNCLOCK_NODE_WINDOW"] = "0"
+if "--gloo-rounds" in sys.argv:  # every bucket to gloo, as across hosts where MPI spins
+    os.environ.update(ASYNCLOCK_BULK="gloo", ASYNCLOCK_GLOO_MIN_BYTES="1")
 
 import anyio
 import numpy as np
@@ -208,11 +211,16 @@ def check_hvd_optimizer(h: Any) -> None:
     if "--horovod" in sys.argv:  # the same gradients on real Horovod: its semantics
         report(rank, "hvd_optimizer", "on Horovod")
         return
-    shm = opt._reducer.transport is not None
-    assert shm == ("--shm" in sys.argv and size > 1), shm
-    if not shm and "--zero-steps" not in sys.argv:
+    path = type(opt._reducer.transport).__name__
+    want = ("ShmTransport" if "--shm" in sys.argv else "GlooRounds" if "--gloo-rounds"
+            in sys.argv else "NoneType") if size > 1 else "NoneType"
+    assert path == want, (path, want)
+    if path == "NoneType" and "--zero-steps" not in sys.argv:
         check_round_checks(opt._reducer, rank, size)
-    report(rank, "hvd_optimizer", "over shared memory" if shm else "")
+    if path == "GlooRounds" and "--zero-steps" not in sys.argv:
+        check_gloo_rounds(opt._reducer, rank, size)
+    report(rank, "hvd_optimizer", {"ShmTransport": "over shared memory",
+                                   "GlooRounds": "over gloo rounds"}.get(path, ""))
 
 
 def check_second_optimizer(h: Any) -> None:
@@ -306,6 +314,17 @@ def check_round_checks(reducer: Any, rank: int, size: int) -> None:
     # joined rank stands in for settle them into the bucket first (a plain allreduce)
     grouped = reducer.storage.handed is not None  # the Horovod backend (also auto-picked)
     assert stats.grouped_buckets == (together if grouped else 0), (stats, together)
+
+
+def check_gloo_rounds(reducer: Any, rank: int, size: int) -> None:
+    """Round 1 (the profiling round) goes through the scheduler; every later round's
+    bucket goes to gloo from the packing thread while every rank is active, and as
+    a plain allreduce, stood in for, once rank 0 has joined."""
+    stats, t = reducer.scheduler.statistics(), reducer.transport
+    rounds, together = steps_of(rank) + 1, steps_of(0) + 1
+    assert stats.launched == 1 and stats.checks == 1, stats
+    assert (t.launched, t.completed) == (rounds - 1, rounds - 1), (t.launched, t.completed)
+    assert t.group.calls == together - 1, (t.group.calls, together)
 
 
 def main_hvd() -> None:

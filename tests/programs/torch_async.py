@@ -66,7 +66,8 @@ async def check_basic(c: asynclock.Coordinator) -> None:
     stats = step.statistics()
     assert stats.steps == 4 and stats.rounds == 4 and stats.plan_generation == 1, stats
     report(c.rank, "basic", f"{stats}")
-    report(c.rank, "transport_shm" if step.reducer.transport else "transport_allreduce")
+    report(c.rank, "transport_" + {"ShmTransport": "shm", "GlooRounds": "gloo"}.get(
+        type(step.reducer.transport).__name__, "allreduce"))
 
 
 async def check_loop_live_during_backward(c: asynclock.Coordinator) -> None:

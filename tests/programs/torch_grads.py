@@ -131,7 +131,8 @@ def check_identical_after_20_steps() -> None:
     assert torch.allclose(flat(model), flat(ref), rtol=1e-4, atol=1e-5), (
         f"drifted from single-process training: {(flat(model) - flat(ref)).abs().max()}")
     report(hvd.rank(), "identical_20_steps")
-    transport = "shm" if opt.reducer.transport is not None else "allreduce"
+    transport = {"ShmTransport": "shm", "GlooRounds": "gloo"}.get(
+        type(opt.reducer.transport).__name__, "allreduce")
     report(hvd.rank(), f"transport_{transport}")
 
 
@@ -332,7 +333,8 @@ def force_reversed_launch_order(opt: object) -> None:
     assert not reducer.replan_due
     order, n = list(reducer.plan.order), len(reducer.plan.buckets)
     plan = build_plan(order, reducer.specs, reducer.options.caps, launch=range(n - 1, -1, -1))
-    reducer._adopt(plan, reducer.transport is not None)
+    path = type(reducer.transport).__name__  # the same round path as before
+    reducer._adopt(plan, path == "ShmTransport", path == "GlooRounds")
 
 
 def check_gated_bit_identical() -> None:
@@ -404,8 +406,11 @@ def check_mismatches() -> None:
 
 def check_bucket_mismatch() -> None:
     """Bypass the agreement on purpose: each bucket op is header-checked, on the
-    allreduce transport and (when this job uses it) the shared-memory one."""
-    for shm in sorted({False, shm_eligible()}):
+    allreduce transport, and each round checked, on the round paths this job uses
+    (shared memory, gloo)."""
+    paths = ["allreduce", *(["shm"] if shm_eligible() else []),
+             *(["gloo"] if os.environ.get("ASYNCLOCK_BULK") == "gloo" else [])]
+    for path in paths:
         torch.manual_seed(11)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
                                     torch.nn.Linear(4, 4, bias=False))
@@ -414,7 +419,7 @@ def check_bucket_mismatch() -> None:
         reducer = opt.reducer
         caps = Caps(80, 48) if hvd.rank() == 1 else reducer.options.caps
         # rank 1: 2 buckets of 12 and 20 elements instead of 16 and 16
-        reducer._adopt(build_plan([1, 0], reducer.specs, caps), shm)
+        reducer._adopt(build_plan([1, 0], reducer.specs, caps), path == "shm", path == "gloo")
         model(torch.ones(2, 4)).sum().backward()
         for _attempt in range(2):  # the second step() re-raises: the channel is unusable
             try:
@@ -424,7 +429,9 @@ def check_bucket_mismatch() -> None:
                 assert all(t == texts[0] for t in texts), texts
             else:
                 raise AssertionError("mismatched buckets were reduced")
-        report(hvd.rank(), f"mismatch_buckets_{'shm' if shm else 'allreduce'}")
+        assert type(reducer.transport).__name__ == {
+            "shm": "ShmTransport", "gloo": "GlooRounds"}.get(path, "NoneType"), path
+        report(hvd.rank(), f"mismatch_buckets_{path}")
     report(hvd.rank(), "mismatch_buckets")
 
 

@@ -106,6 +106,9 @@ class GlooRounds(CheckedRounds):
             rnd.job = True
             self._issue(rnd, range(rnd.launched))
 
+    def _mpi_view(self, k: int) -> torch.Tensor:
+        return self.comm[k]
+
     # -- gloo's thread ---------------------------------------------------------------
     def _landed_gloo(self, rnd: Round, k: int, fut: Any) -> None:
         self._issued_at.pop((rnd.run.number, k), None)
