@@ -297,6 +297,28 @@ def test_a_rank_lost_mid_backward_ends_the_shared_file_round(how: str) -> None:
     assert_no_orphans(job, 2)
 
 
+GLOO_ROUNDS = {"ASYNCLOCK_BULK": "gloo", "ASYNCLOCK_GLOO_MIN_BYTES": "1",
+               "ASYNCLOCK_NODE_WINDOW": "0"}
+
+
+@pytest.mark.parametrize("how", ["KILL", "STOP"])
+def test_a_rank_lost_mid_backward_ends_the_gloo_round(how: str) -> None:
+    """Buckets over gloo from the packing thread (as across hosts where MPI's call
+    spins): a peer lost while the others wait in gloo ends the job on every survivor,
+    each naming it, also when nothing resets gloo's connections (a frozen peer)."""
+    killed = how == "KILL"  # a frozen rank never exits: the launcher cleans it up
+    job, elapsed = timed("fault_train_kill.py", 2, "--signal", how, cleanup=not killed,
+                         env={**FAST, **GLOO_ROUNDS})
+    assert "transport_gloo" in job.output, job.explain()
+    if killed:
+        assert_exits(job, {0: EXIT_RANK_FAILED, 1: 137}, elapsed)
+    else:
+        assert job.returncode not in (0, 124) and elapsed < DEADLINE_S, job.explain()
+    assert re.search(r"asynclock\[rank 0\]: .*rank 1\b", job.output), job.explain()
+    assert "unexpected" not in job.output, job.explain()
+    assert_no_orphans(job, 2)
+
+
 # -- stalls ------------------------------------------------------------------------------
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_stall_report_names_missing_rank(nranks: int) -> None:

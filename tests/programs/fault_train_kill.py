@@ -3,7 +3,9 @@ of backward, once gradient buckets go through the node's shared memory (after th
 profiling round): its peers wait on its counters in the window, not on a collective.
 
 The survivors must exit non-zero, naming rank 1, whether the window is MPI's or a
-mapped file (`horovodrun --gloo`).
+mapped file (`horovodrun --gloo`). With ASYNCLOCK_BULK=gloo and ASYNCLOCK_NODE_WINDOW=0
+the buckets go over gloo from the packing thread instead (`gloo_rounds`): the peers then
+wait on gloo's calls.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main() -> None:
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
-    transport = "shm" if opt.reducer.transport is not None else "allreduce"
+    transport = {"ShmTransport": "shm", "GlooRounds": "gloo"}.get(
+        type(opt.reducer.transport).__name__, "allreduce")
     report(hvd.rank(), f"transport_{transport}")
     hvd.allreduce(torch.ones(1), name="warmed")  # every rank has written its lines
 
