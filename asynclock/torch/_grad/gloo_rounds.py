@@ -19,6 +19,7 @@ no other call on the channel can interleave with the buckets.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..._core.base import settings
+from ..._core.base.backoff import Backoff, poll_until
 from ..._core.base.errors import BackendError
 from ..._core.base.ops import ReduceOp
 from ..._core.engine.operation import Lane
@@ -35,6 +38,7 @@ from ..._core.transports.process_group import PGGroup
 from .buckets import Plan
 from .rounds import CheckedRounds, Round
 
+_VERDICT_POLL_S = 0.01  # how often a failed bucket looks for the watchdog's verdict
 __all__ = ["GlooRounds", "bulk_min_bytes", "rounds_group", "takes_plan"]
 
 
@@ -115,11 +119,24 @@ class GlooRounds(CheckedRounds):
         try:
             fut.value()
         except Exception as exc:  # noqa: BLE001 - a peer's failure: the round fails
-            self._fail(rnd, BackendError(f"gradient bucket {k} over gloo: {exc}"))
+            threading.Thread(target=self._fail_naming, args=(rnd, k, exc), daemon=True,
+                             name="asynclock-gloo-failed").start()
             return
         if self.post != 1.0:
             self.comm[k].mul_(self.post)
         self._landed(rnd, k, None)
+
+    def _fail_naming(self, rnd: Round, k: int, exc: BaseException) -> None:
+        """gloo sees a dead peer's socket close before the watchdog names the rank behind
+        it: wait up to the watchdog's dead-after time for its verdict (the engine's
+        failure, which also ends the job), so a survivor reports the lost rank, not a
+        socket error; the socket error if no verdict comes."""
+        engine = self.engine
+        poll_until(lambda: engine.failure is not None, Backoff.every(_VERDICT_POLL_S),
+                   settings.number("ASYNCLOCK_DEAD_AFTER_S") + 1.0)
+        self._fail(rnd, engine.failure or BackendError(
+            f"gradient bucket {k} over gloo failed, and the watchdog named no lost rank: "
+            f"{exc}"))
 
     # -- reports ---------------------------------------------------------------------
     def describe(self) -> str:
