@@ -48,10 +48,14 @@ def _gloo(lane: Lane) -> Any:
     return getattr(view(), "gloo", None) if view is not None else None
 
 
-def bulk_min_bytes(lane: Lane) -> int | None:
-    """The smallest allreduce the lane's gloo bulk path takes, or None without one."""
+def bulk_min_bytes(lane: Lane, local_size: int) -> int | None:
+    """The smallest allreduce the lane's gloo bulk path takes, or None without one, or
+    where the channel's node window reduces buckets on each node before they cross
+    (`local_size` ranks on this node, and the window on): gloo's ring over every rank
+    would give that up."""
     gloo = _gloo(lane)
-    if gloo is None:
+    if gloo is None or (local_size > 1 and getattr(lane.transport.bulk_view(), "window",
+                                                    None) is not None):
         return None
     least: int | None = gloo.store.min_bytes
     return least
@@ -78,6 +82,8 @@ class GlooRounds(CheckedRounds):
     """One checked stage per round on the loop; every bucket then goes to gloo from
     the thread that packed it, and gloo's thread finishes it (`_landed_gloo`)."""
 
+    what = "gloo round"
+
     def __init__(self, engine: Engine, lane: Lane, group: PGGroup, plan: Plan,
                  comm: list[torch.Tensor], post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:
@@ -99,6 +105,7 @@ class GlooRounds(CheckedRounds):
             try:
                 work = self.group.issue_allreduce(self.comm[k], ReduceOp.SUM)
             except Exception as exc:  # noqa: BLE001 - gloo refused: the round fails here
+                self._issued_at.pop((rnd.run.number, k), None)
                 self._call_soon(partial(self._fail, rnd, BackendError(
                     f"gradient bucket {k} over gloo: {exc}")))
                 return
@@ -107,7 +114,7 @@ class GlooRounds(CheckedRounds):
     # -- the loop, once the round's check passed -------------------------------------
     def _take_over(self, rnd: Round) -> None:
         with rnd.lock:
-            rnd.job = True
+            rnd.job = True  # checked: from here on `_prefix_grew` issues in the hook thread
             self._issue(rnd, range(rnd.launched))
 
     def _mpi_view(self, k: int) -> torch.Tensor:

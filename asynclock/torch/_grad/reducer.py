@@ -369,7 +369,7 @@ class Reducer:
                    if not run.final[i]]
         stats = self.scheduler.statistics()
         text = (f"rank {self.coord.rank} waits for gradient bucket {k} (round {run.number}, "
-                f"plan g{run.generation}, {'shared memory' if run.transport else 'allreduce'} "
+                f"plan g{run.generation}, {run.transport.what if run.transport else 'allreduce'} "
                 f"'grad.g{run.generation}.b{k}')")
         if missing:
             return text + f"; this rank never produced gradients for: {', '.join(missing[:5])}"
@@ -444,7 +444,7 @@ class Reducer:
         """The smallest bucket this rank's gloo round path takes (None: no such path)."""
         if self.on_gpu or self._horovod_groups() or not settings.flag("ASYNCLOCK_GLOO_ROUNDS"):
             return None
-        return bulk_min_bytes(self.grad_lane)
+        return bulk_min_bytes(self.grad_lane, self.coord.local_size)
 
     def _proposal(self, run: StepRun) -> tuple[list[int], tuple[int, ...] | None]:
         order = list(run.final_order)

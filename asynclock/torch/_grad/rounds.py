@@ -56,6 +56,8 @@ class Round:
 class CheckedRounds:
     """The round's check and its fall-backs; a path says where checked buckets go."""
 
+    what = "checked round"  # the path, as stall reports name it
+
     def __init__(self, engine: Engine, lane: Lane, plan: Plan, post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:
         self.engine, self.lane, self.plan = engine, lane, plan

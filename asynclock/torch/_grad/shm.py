@@ -133,6 +133,8 @@ class ShmTransport(CheckedRounds):
     round's checked stage (`CheckedRounds`).
     """
 
+    what = "shared memory"
+
     def __init__(self, engine: Engine, lane: Lane, arena: SharedArena | None, plan: Plan,
                  peers: dict[str, list[torch.Tensor]], post: float,
                  call_soon: Callable[[Callable[[], object]], None],
