@@ -205,7 +205,8 @@ def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
     from asynclock._core.engine.operation import Lane
     from asynclock._core.engine.progress import Engine
     from asynclock._core.transports.local import LocalBackend
-    from asynclock.torch._grad.shm import ShmTransport, _Round
+    from asynclock.torch._grad.rounds import Round
+    from asynclock.torch._grad.shm import ShmTransport
 
     plan = build_plan([1, 0], specs(16, 16), Caps(bucket_bytes=64, first_bucket_bytes=64))
     engine, lane = Engine(), Lane(LocalBackend().channel("grad"))
@@ -215,7 +216,7 @@ def test_shm_bucket_packed_after_a_failed_round_issues_nothing() -> None:
         released: list = []
         finished: list = []
         run = _FailedRun(plan, released, finished)
-        rnd = transport._rounds[run.number] = _Round(run)
+        rnd = transport._rounds[run.number] = Round(run)
         err = MismatchError("mismatched buckets")
         transport._fail(rnd, err)
         assert sorted(finished) == [(0, err), (1, err)] and released == [err]

@@ -68,6 +68,10 @@ def rounds_group(lane: Lane, generation: int) -> PGGroup:
     group: PGGroup = gloo.store.channel_group(f"{lane.transport.name}.rounds{generation}",
                                               "gloo", lane.rank, lane.size)
     group.connect()
+    # A rank's connect ends once its own pairs are up; a peer may still be connecting
+    # to others. One collective ends only when every rank has connected, so no rank can
+    # close this group (a re-plan) under a peer that is still connecting to it.
+    group.allreduce(torch.zeros(1), ReduceOp.SUM)
     return group
 
 
