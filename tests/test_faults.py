@@ -301,7 +301,7 @@ GLOO_ROUNDS = {"ASYNCLOCK_BULK": "gloo", "ASYNCLOCK_GLOO_MIN_BYTES": "1",
                "ASYNCLOCK_NODE_WINDOW": "0"}
 
 
-@pytest.mark.parametrize("how", ["KILL", "STOP"])
+@pytest.mark.parametrize("how", ["KILL", pytest.param("STOP", marks=pytest.mark.slow)])
 def test_a_rank_lost_mid_backward_ends_the_gloo_round(how: str) -> None:
     """Buckets over gloo from the packing thread (as across hosts where MPI's call
     spins): a peer lost while the others wait in gloo ends the job on every survivor,
