@@ -149,6 +149,11 @@ class GlooRounds(CheckedRounds):
             f"gradient bucket {k} over gloo failed, and the watchdog named no lost rank: "
             f"{exc}"))
 
+    def _fail(self, rnd: Round, err: BaseException) -> None:
+        super()._fail(rnd, err)
+        for key in [key for key in list(self._issued_at) if key[0] == rnd.run.number]:
+            self._issued_at.pop(key, None)  # no stall to report for a round that failed
+
     # -- reports ---------------------------------------------------------------------
     def describe(self) -> str:
         now = time.perf_counter()
