@@ -133,9 +133,7 @@ class GlooRounds(CheckedRounds):
             threading.Thread(target=self._fail_naming, args=(rnd, k, exc), daemon=True,
                              name="asynclock-gloo-failed").start()
             return
-        if self.post != 1.0:
-            self.comm[k].mul_(self.post)
-        self._landed(rnd, k, None)
+        self._scale(self.comm[k], partial(self._landed, rnd, k))
 
     def _fail_naming(self, rnd: Round, k: int, exc: BaseException) -> None:
         """gloo sees a dead peer's socket close before the watchdog names the rank behind
@@ -155,22 +153,30 @@ class GlooRounds(CheckedRounds):
             self._issued_at.pop(key, None)  # no stall to report for a round that failed
 
     # -- reports ---------------------------------------------------------------------
-    def describe(self) -> str:
-        now = time.perf_counter()
-        waiting = sorted(self._issued_at.items(), key=lambda kv: kv[1])
-        if not waiting:
-            return ""
-        (number, k), since = waiting[0]
-        return (f"gloo round {number}: bucket {k} in flight for {now - since:.1f}s, "
-                f"{len(waiting)} bucket(s) waiting for the other ranks' gloo calls")
-
-    def stalled(self) -> InflightOp | None:
+    def _oldest(self) -> tuple[int, int, float, int] | None:
+        """(round, bucket, seconds in flight, buckets in flight) of the oldest bucket
+        in flight, or None (any thread: reads a copy)."""
         waiting = list(self._issued_at.items())
         if not waiting:
             return None
         (number, k), since = min(waiting, key=lambda kv: kv[1])
+        return number, k, time.perf_counter() - since, len(waiting)
+
+    def describe(self) -> str:
+        oldest = self._oldest()
+        if oldest is None:
+            return ""
+        number, k, age, count = oldest
+        return (f"gloo round {number}: bucket {k} in flight for {age:.1f}s, "
+                f"{count} bucket(s) waiting for the other ranks' gloo calls")
+
+    def stalled(self) -> InflightOp | None:
+        oldest = self._oldest()
+        if oldest is None:
+            return None
+        number, k, age, _ = oldest
         return InflightOp(f"gradient bucket {k} of round {number} over gloo ({self.describe()})",
-                          time.perf_counter() - since, -1, number, k)
+                          age, -1, number, k)
 
     def close(self) -> None:
         if self.stalled in self.engine.watched:

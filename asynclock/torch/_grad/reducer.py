@@ -471,13 +471,12 @@ class Reducer:
             launched, completed = self._retired_counts
             self._retired_counts = (launched + self.transport.launched,
                                     completed + self.transport.completed)
-        self.transport = None if arena is None else ShmTransport(
-            self.coord.lowlevel.engine, self.grad_lane, arena, plan, storage.peers, self.post,
-            self.loop.call_soon, storage.handed)
-        if gloo:
-            self.transport = GlooRounds(
-                self.coord.lowlevel.engine, self.grad_lane, self._gloo_group(), plan,
-                storage.comm, self.post, self.loop.call_soon)
+        engine = self.coord.lowlevel.engine
+        self.transport = (
+            ShmTransport(engine, self.grad_lane, arena, plan, storage.peers, self.post,
+                         self.loop.call_soon, storage.handed) if arena is not None else
+            GlooRounds(engine, self.grad_lane, self._gloo_group(), plan, storage.comm,
+                       self.post, self.loop.call_soon) if gloo else None)
         if self.transport is not None:
             self.held.transports.append(self.transport)
         self.plan, self.storage = plan, storage

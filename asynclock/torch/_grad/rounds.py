@@ -83,8 +83,8 @@ class CheckedRounds:
         raise NotImplementedError
 
     def _scale(self, view: torch.Tensor, then: Callable[[BaseException | None], None]) -> None:
-        """Multiply a bucket reduced by a plain allreduce by `post`, then `then(error)`
-        on the loop."""
+        """Multiply a reduced bucket by `post`, then `then(error)`, both in this thread
+        (a path may run them elsewhere)."""
         error: BaseException | None = None
         try:
             if self.post != 1.0:
