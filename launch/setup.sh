@@ -12,11 +12,30 @@ log() { printf '[setup] %s\n' "$*"; }
 [ -x .venv/bin/python ] || { log "creating .venv"; "$PY" -m venv .venv; }
 VPY="$PWD/.venv/bin/python"
 pipi() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+# uv installs the same packages from the same index with parallel downloads (pip fetches one
+# at a time); pip stays the fallback. uv reads none of pip's settings, so pip's own
+# find-links folders are passed on (a local torch file lies there on some machines).
+UV=""
+if [ "${ASYNCLOCK_SETUP_UV:-1}" = 1 ]; then
+  { [ -x .venv/bin/uv ] || pipi uv >/dev/null 2>&1; } && UV="$PWD/.venv/bin/uv"
+fi
+links=$("$VPY" -m pip config get global.find-links 2>/dev/null || true)
+links="${PIP_FIND_LINKS:-} $links"
+uvi() {
+  [ -n "$UV" ] || return 1
+  local args=() d
+  for d in $links; do [ -d "$d" ] && args+=(--find-links "$d"); done
+  "$UV" pip install -q --python "$VPY" "${args[@]}" "$@"
+}
+fast_install() { uvi "$@" || pipi "$@"; }
 
-# torch: the pinned CPU build; a looser pin would pull a multi-GB CUDA build.
+# torch: the pinned CPU build; a looser pin would pull a multi-GB CUDA build. uv takes only a
+# CPU build's file found on this disk: from an index it would pick the CUDA build.
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   log "installing torch==2.13.0 (CPU)"
-  pipi "torch==2.13.0" || pipi "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  cpu_torch=$(for d in $links; do ls "$d"/torch-2.13.0+cpu-*.whl 2>/dev/null || true; done | head -1)
+  { [ -n "$cpu_torch" ] && uvi "$cpu_torch"; } || pipi "torch==2.13.0" \
+    || pipi "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 
 want=(numpy anyio trio sniffio mpi4py mpich pytest pytest-timeout pytest-xdist tqdm matplotlib scikit-learn mock
@@ -30,7 +49,7 @@ for pkg in "${want[@]}"; do
   [ "$pkg" = mpich ] && { ls .venv/lib/libmpi.so* >/dev/null 2>&1 || missing+=("$pkg"); continue; }
   "$VPY" -c "import $mod" 2>/dev/null || missing+=("$pkg")
 done
-if [ ${#missing[@]} -gt 0 ]; then log "installing ${missing[*]}"; pipi "${missing[@]}"; fi
+if [ ${#missing[@]} -gt 0 ]; then log "installing ${missing[*]}"; fast_install "${missing[@]}"; fi
 
 if [ "${ASYNCLOCK_SETUP_SYSTEM_MPI:-0}" = 1 ]; then
   bash mpi/install_system_mpi.sh

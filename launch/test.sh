@@ -43,23 +43,32 @@ elapsed "static checks done"
 [ "$static" = 0 ] || echo "[test] static checks failed (ruff, mypy --strict, import-linter)" >&2
 # Most test time is rank start-up and waiting on other ranks, so two pytest workers share
 # the machine's cores (whole files to a worker: a file's tests share its cached jobs).
-# Tests marked `serial` run afterwards, alone. ASYNCLOCK_TEST_WORKERS=0 runs all in one.
+# Then the launcher's timed jobs (`serial`: mostly waiting out timeouts and signals), two at
+# a time, and last the tests that time microsecond calls (`alone`), alone on the machine.
+# ASYNCLOCK_TEST_WORKERS=0 runs all in one.
 workers=${ASYNCLOCK_TEST_WORKERS:-2}
 pytest=(.venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider)
+rcs=()
 if [ "$workers" -gt 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
-  "${pytest[@]}" -n "$workers" --dist loadfile -m "not serial" "$@" tests
-  rc=$?
+  "${pytest[@]}" -n "$workers" --dist loadfile -m "not serial and not alone" "$@" tests
+  rcs+=($?)
   elapsed "parallel phase done"
-  "${pytest[@]}" -m serial "$@" tests
-  rc2=$?
+  "${pytest[@]}" -n 2 -m "serial and not alone" "$@" tests
+  rcs+=($?)
   elapsed "serial phase done"
-  # A phase that collects nothing (5) is fine when the other ran tests.
-  if [ "$rc" = 5 ] && [ "$rc2" != 5 ]; then rc=$rc2
-  elif [ "$rc" = 0 ] && [ "$rc2" != 5 ]; then rc=$rc2; fi
+  "${pytest[@]}" -m alone "$@" tests
+  rcs+=($?)
+  elapsed "alone phase done"
 else
   "${pytest[@]}" "$@" tests
-  rc=$?
+  rcs+=($?)
 fi
+# A phase that collects nothing (5) is fine when another ran tests.
+rc=5
+for r in "${rcs[@]}"; do
+  if [ "$r" != 0 ] && [ "$r" != 5 ]; then rc=$r; break; fi
+  [ "$r" = 0 ] && rc=0
+done
 if [ "$rc" = 0 ] && [ "$static" != 0 ]; then rc=1; fi
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests: failing" >&2; exit 1; fi
 exit "$rc"

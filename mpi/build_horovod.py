@@ -158,7 +158,11 @@ def ensure_runtime_deps() -> None:
     if subprocess.run([str(venv_python()), "-c", probe], capture_output=True).returncode == 0:
         log("runtime deps present: " + ", ".join(RUNTIME_DEPS))
         return
-    run([str(venv_python()), "-m", "pip", "install", "-q", *RUNTIME_DEPS])
+    uv = venv_python().with_name("uv")  # launch/setup.sh's: parallel downloads
+    if uv.exists():
+        run([str(uv), "pip", "install", "-q", "--python", str(venv_python()), *RUNTIME_DEPS])
+    else:
+        run([str(venv_python()), "-m", "pip", "install", "-q", *RUNTIME_DEPS])
 
 
 def ensure_cmake(env: dict[str, str]) -> str:

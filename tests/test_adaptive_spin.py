@@ -77,7 +77,7 @@ def test_ops_finished_in_the_spin_teach_their_lane_patient_ones_do_not() -> None
 
 
 # Calls of tens of microseconds, compared with what the engine recorded: run alone.
-@pytest.mark.serial
+@pytest.mark.alone
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_staged_allreduces_teach_the_spin_their_whole_time(loop: str) -> None:
     from mpijob import assert_all_ok, run_job

@@ -123,8 +123,8 @@ def need_fastpath() -> None:
 
 
 # Whether a round runs whole in C depends on every rank arriving within the spin: these
-# run in launch/test.sh's serial phase, alone on the machine.
-@pytest.mark.serial
+# run last in launch/test.sh, alone on the machine.
+@pytest.mark.alone
 @pytest.mark.parametrize("nranks, loop", [(1, "asyncio"), (2, "asyncio"), (3, "trio")])
 @pytest.mark.parametrize("path", ["C", "python"])
 def test_small_allreduce_path(nranks: int, loop: str, path: str) -> None:

@@ -21,7 +21,8 @@ from asynclock import jobwatch, launch
 from asynclock._tools import mpi_select, rank_output
 
 # Launcher jobs here are timed, and killed, as wholes: they run in launch/test.sh's serial
-# phase, not beside other tests' jobs.
+# phase, beside at most one other of them (most of their time is a timeout or a signal's
+# grace running out), not beside the parallel phase's jobs.
 pytestmark = pytest.mark.serial
 
 KINDS = [k for k, ok in mpi_select.available().items() if ok]
