@@ -165,6 +165,8 @@ DECLARED: tuple[Setting, ...] = (
        "`launch/test.sh` sets it as root).", scope=LAUNCH),
     _s("SETUP_HOROVOD", "flag", "0", "`launch/setup.sh` builds Horovod 0.28.1 against torch "
        "and the system MPI.", scope=LAUNCH),
+    _s("SETUP_UV", "flag", "1", "`launch/setup.sh` installs packages with uv (parallel "
+       "downloads; 0: pip alone).", scope=LAUNCH),
     _s("APT_MAX_AGE_H", "number", "24", "Hours before the Open MPI installer refreshes the "
        "package lists.", scope=LAUNCH),
     _s("TIMEOUT_S", "number", "3300", "Time limit of the Slurm recipe's job "
