@@ -14,7 +14,9 @@ VPY="$PWD/.venv/bin/python"
 pipi() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
 # uv installs the same packages from the same index with parallel downloads (pip fetches one
 # at a time); pip stays the fallback. uv reads none of pip's settings, so pip's own
-# find-links folders are passed on (a local torch file lies there on some machines).
+# find-links folders are passed on (a local torch file lies there on some machines). Like
+# pip, it compiles the bytecode at install: where PYTHONDONTWRITEBYTECODE is set, nothing else
+# would, and every rank of every test job would compile torch's modules again.
 UV=""
 if [ "${ASYNCLOCK_SETUP_UV:-1}" = 1 ]; then
   { [ -x .venv/bin/uv ] || pipi uv >/dev/null 2>&1; } && UV="$PWD/.venv/bin/uv"
@@ -25,7 +27,7 @@ uvi() {
   [ -n "$UV" ] || return 1
   local args=() d
   for d in $links; do [ -d "$d" ] && args+=(--find-links "$d"); done
-  "$UV" pip install -q --python "$VPY" "${args[@]}" "$@"
+  "$UV" pip install -q --compile-bytecode --python "$VPY" "${args[@]}" "$@"
 }
 fast_install() { uvi "$@" || pipi "$@"; }
 

@@ -160,7 +160,8 @@ def ensure_runtime_deps() -> None:
         return
     uv = venv_python().with_name("uv")  # launch/setup.sh's: parallel downloads
     if uv.exists():
-        run([str(uv), "pip", "install", "-q", "--python", str(venv_python()), *RUNTIME_DEPS])
+        run([str(uv), "pip", "install", "-q", "--compile-bytecode", "--python",
+             str(venv_python()), *RUNTIME_DEPS])
     else:
         run([str(venv_python()), "-m", "pip", "install", "-q", *RUNTIME_DEPS])
 
