@@ -78,6 +78,8 @@ def parse() -> argparse.Namespace:
     add("--steps", type=int, default=6, help="bench/train.py --steps")
     add("--threads", action="store_true", help="bench/train.py --threads (CPU per thread)")
     add("--bucket-mb", type=float, default=None, help="bench/train.py --bucket-mb")
+    add("--partition", choices=("auto", "on", "off"), default="auto",
+        help="bench/train.py --partition")
     add("--env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the ranks of --methods runs (repeatable)")
     add("--methods", default=None, help="bench/train.py --methods (default: every system)")
@@ -96,7 +98,8 @@ def specs(args: argparse.Namespace) -> list[Spec]:
     out: list[Spec] = []
     train = ("--models", args.models, "--windows", str(args.windows), "--steps", str(args.steps),
              "--compression", args.compression, *(["--threads"] if args.threads else []),
-             *(["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb else []))
+             *(["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb else []),
+             "--partition", args.partition)
     for mpi in args.mpis.split(","):
         if "train" in args.what and args.methods:
             env = dict(kv.split("=", 1) for kv in args.env)

@@ -81,6 +81,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--threads", action="store_true",
                    help="also print rank 0's CPU per step of each thread, by name")
     p.add_argument("--bucket-mb", type=float, default=None, help="asynclock bucket cap")
+    p.add_argument("--partition", choices=("auto", "on", "off"), default="auto",
+                   help="asynclock: cut tensors at bucket boundaries (Tuning.partition)")
     p.add_argument("--compression", choices=("none", "fp16"), default="none",
                    help="gradient compression for Horovod and asynclock (DDP: none)")
     p.add_argument("--link", default=None,
@@ -273,9 +275,11 @@ def bound(t: Trainer, args: argparse.Namespace, overlap: bool) -> Step:
 def tuning(args: argparse.Namespace, shm: bool = True) -> Any:
     from asynclock.torch import Tuning
 
+    partition = {"auto": None, "on": True, "off": False}[args.partition]
     if args.bucket_mb is None:
-        return Tuning(shm=shm)
-    return Tuning(bucket_cap_mb=args.bucket_mb, first_bucket_mb=min(1.0, args.bucket_mb), shm=shm)
+        return Tuning(shm=shm, partition=partition)
+    return Tuning(bucket_cap_mb=args.bucket_mb, first_bucket_mb=min(1.0, args.bucket_mb), shm=shm,
+                  partition=partition)
 
 
 def asynclock_opt(t: Trainer, args: argparse.Namespace, shm: bool = True, **kw: Any) -> Step:
