@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from _common import report
@@ -87,15 +88,24 @@ def check_caps() -> None:
         opt = sgd(model, tuning=tuning)
         for step in range(3):  # round 1 on the guessed plan, then rank 0's agreed plan
             check_grads(model, opt, step, label)
+        # zeroed in place, `.grad` keeps its tensor (in gloo's rounds: autograd's own)
+        for step in range(3, 5):
+            check_grads(model, opt, step, label, set_to_none=False)
         buckets = len(opt.reducer.plan.buckets)
         cut = any(len(ks) > 1 for ks in opt.reducer.plan.param_buckets.values())
         on_horovod = hasattr(opt.reducer.grad_lane.transport, "iallreduce_grouped")
+        # gloo's rounds reduce whole tensors in place: left to it, the plan cuts none
+        over_gloo = type(opt.reducer.transport).__name__ == "GlooRounds"
         unbounded = opt.reducer.scheduler.window_bytes > 1 << 40  # the credit window
         expect = {"one_tensor_per_bucket": buckets == n_params, "everything_in_one": buckets == 1,
                   "tiny_partitions": buckets > n_params and cut,
-                  "tiny_default": cut is not on_horovod and unbounded is on_horovod,
+                  "tiny_default": (cut is not (on_horovod or over_gloo)
+                                   and unbounded is on_horovod),
                   "default": buckets >= 1}[label]
         assert expect, f"{label}: {buckets} buckets for {n_params} tensors"
+        if over_gloo:  # reduced in place in autograd's tensors, not copied into buckets
+            kept = opt.reducer._previous.buffers.params
+            assert kept, f"{label}: every gradient went through the buckets' buffer"
         assert_same_on_all_ranks(model, gather, label)
         report(hvd.rank(), f"caps_{label}", f"{buckets} buckets")
 
@@ -332,7 +342,14 @@ def force_reversed_launch_order(opt: object) -> None:
     reducer = opt.reducer
     assert not reducer.replan_due
     order, n = list(reducer.plan.order), len(reducer.plan.buckets)
-    plan = build_plan(order, reducer.specs, reducer.options.caps, launch=range(n - 1, -1, -1))
+    layout = [b.segments for b in reducer.plan.buckets]
+    for cut in (True, False):  # the same layout, cut or not as the reducer chose it
+        caps = replace(reducer.options.caps, partition=cut)
+        if [b.segments for b in build_plan(order, reducer.specs, caps).buckets] == layout:
+            break
+    else:
+        raise AssertionError("no caps rebuild the reducer's bucket layout")
+    plan = build_plan(order, reducer.specs, caps, launch=range(n - 1, -1, -1))
     path = type(reducer.transport).__name__  # the same round path as before
     reducer._adopt(plan, path == "ShmTransport", path == "GlooRounds")
 

@@ -88,11 +88,10 @@ class GlooRounds(CheckedRounds):
 
     what = "gloo round"
 
-    def __init__(self, engine: Engine, lane: Lane, group: PGGroup, plan: Plan,
-                 comm: list[torch.Tensor], post: float,
+    def __init__(self, engine: Engine, lane: Lane, group: PGGroup, plan: Plan, post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:
         super().__init__(engine, lane, plan, post, call_soon)
-        self.group, self.comm = group, comm
+        self.group = group
         self._issued_at: dict[tuple[int, int], float] = {}  # (round, bucket): in flight since
         engine.watched.append(self.stalled)
 
@@ -107,7 +106,7 @@ class GlooRounds(CheckedRounds):
             k = rnd.order[p]
             self._issued_at[(rnd.run.number, k)] = time.perf_counter()
             try:
-                work = self.group.issue_allreduce(self.comm[k], ReduceOp.SUM)
+                work = self.group.issue_allreduce(rnd.run.buffers.comm[k], ReduceOp.SUM)
             except Exception as exc:  # noqa: BLE001 - gloo refused: the round fails here
                 self._issued_at.pop((rnd.run.number, k), None)
                 self._call_soon(partial(self._fail, rnd, BackendError(
@@ -121,8 +120,8 @@ class GlooRounds(CheckedRounds):
             rnd.job = True  # checked: from here on `_prefix_grew` issues in the hook thread
             self._issue(rnd, range(rnd.launched))
 
-    def _mpi_view(self, k: int) -> torch.Tensor:
-        return self.comm[k]
+    def _mpi_view(self, rnd: Round, k: int) -> torch.Tensor:
+        return rnd.run.buffers.comm[k]
 
     # -- gloo's thread ---------------------------------------------------------------
     def _landed_gloo(self, rnd: Round, k: int, fut: Any) -> None:
@@ -133,7 +132,7 @@ class GlooRounds(CheckedRounds):
             threading.Thread(target=self._fail_naming, args=(rnd, k, exc), daemon=True,
                              name="asynclock-gloo-failed").start()
             return
-        self._scale(self.comm[k], partial(self._landed, rnd, k))
+        self._scale(rnd.run.buffers.comm[k], partial(self._landed, rnd, k))
 
     def _fail_naming(self, rnd: Round, k: int, exc: BaseException) -> None:
         """gloo sees a dead peer's socket close before the watchdog names the rank behind

@@ -94,7 +94,7 @@ class Bucketer:
             run.storage.accumulate(i)
             return
         with pack_span(i):
-            run.storage.pack(i, self.scale)
+            run.storage.pack(i, self.scale, run.buffers)
         self._arrived(run, [i])
 
     def _begin(self) -> StepRun:
@@ -131,7 +131,7 @@ class Bucketer:
             for i in left:
                 run.final[i] = True
         for i in left:
-            run.storage.pack(i, self.scale)
+            run.storage.pack(i, self.scale, run.buffers)
         self._arrived(run, left)
         return run
 

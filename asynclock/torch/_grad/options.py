@@ -33,7 +33,9 @@ class Tuning:
         partition: cut large tensors at bucket boundaries, so front layers go first;
             None: on, except on Horovod's transport (`horovodrun --gloo`), where
             Horovod fuses each bucket itself and a cut tensor's parts, ready together,
-            would only go as more Horovod collectives.
+            would only go as more Horovod collectives, and where buckets go over gloo
+            across hosts, which reduces a bucket holding one whole tensor in place in
+            the tensor autograd made (no copy).
         priority: launch front buckets first; None: on exactly when forward gating is on.
         replan: re-plan the bucket layout from the gradient order rank 0 observes.
         shm: gradient buckets through the node's shared memory when every rank is on

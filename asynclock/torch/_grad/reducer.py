@@ -154,6 +154,7 @@ class Reducer:
                  zero: Callable[[Params, bool], None], lane: Lane) -> None:
         self.coord, self.loop, self.registry = coord, loop, registry
         self.grad_lane = lane
+        self._cut_by_choice = options.caps.partition is None  # the reducer may pick it
         self.options = options = self._resolved(options)
         self.on_gpu = registry.device.type == "cuda"
         if self.on_gpu and group_of(lane) is None:
@@ -204,9 +205,10 @@ class Reducer:
             options = replace(options, window_bytes=_UNBOUNDED if horovod else 16 * MiB)
         return options
 
-    def _plan(self, order: list[int], launch: Any) -> Plan:
-        return build_plan(order, self.specs, self.options.caps, groups=self.options.groups,
-                          launch=launch)
+    def _plan(self, order: list[int], launch: Any, partition: bool | None = None) -> Plan:
+        caps = self.options.caps if partition is None else replace(self.options.caps,
+                                                                   partition=partition)
+        return build_plan(order, self.specs, caps, groups=self.options.groups, launch=launch)
 
     def _new_run(self) -> StepRun:
         self.rounds += 1
@@ -394,7 +396,7 @@ class Reducer:
         with unpack_span(k):
             if run.done_events[k] is not None:  # NCCL wrote it: wait by stream, not host
                 stream_wait(None, run.done_events[k])
-            run.storage.unpack(k, 1.0 if run.transport is not None else self.post)
+            run.storage.unpack(k, 1.0 if run.transport is not None else self.post, run.buffers)
         run.unpacked[k] = True
         for i in run.plan.buckets[k].params:
             run.buckets_left[i] -= 1
@@ -436,8 +438,17 @@ class Reducer:
         # early buckets wait for late ones in the one-at-a-time pipeline)
         plan = self._plan(list(order), None if shm else launch)
         least = [m for _, _, m in every]
-        gloo = not shm and None not in least and takes_plan(plan, max(m or 0 for m in least))
-        self._adopt(plan, shm, gloo)
+        if shm or None in least:
+            self._adopt(plan, shm)
+            return True
+        floor = max(m or 0 for m in least)
+        whole = self._plan(list(order), None, partition=False) if self._cut_by_choice else None
+        if whole is not None and takes_plan(whole, floor):
+            # gloo's rounds reduce a bucket that holds one whole tensor in place in the
+            # tensor itself (`GradStorage.hand_in_place`); cut, a tensor's pieces would
+            # share buckets with other tensors, and go as more calls for the same bytes
+            plan = whole
+        self._adopt(plan, False, takes_plan(plan, floor))
         return True
 
     def _gloo_min_bytes(self) -> int | None:
@@ -475,8 +486,10 @@ class Reducer:
         self.transport = (
             ShmTransport(engine, self.grad_lane, arena, plan, storage.peers, self.post,
                          self.loop.call_soon, storage.handed) if arena is not None else
-            GlooRounds(engine, self.grad_lane, self._gloo_group(), plan, storage.comm,
-                       self.post, self.loop.call_soon) if gloo else None)
+            GlooRounds(engine, self.grad_lane, self._gloo_group(), plan, self.post,
+                       self.loop.call_soon) if gloo else None)
+        # one pass a step: earlier passes accumulate in the buffer (`GradStorage.accumulate`)
+        storage.hand_in_place = gloo and self.passes == 1
         if self.transport is not None:
             self.held.transports.append(self.transport)
         self.plan, self.storage = plan, storage

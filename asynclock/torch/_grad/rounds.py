@@ -78,7 +78,7 @@ class CheckedRounds:
     def _check_made(self, rnd: Round, check: RoundCheck) -> None:
         """The round's check is about to be submitted (loop)."""
 
-    def _mpi_view(self, k: int) -> torch.Tensor:
+    def _mpi_view(self, rnd: Round, k: int) -> torch.Tensor:
         """Bucket k's values, for a plain allreduce when a rank joined (round lock held)."""
         raise NotImplementedError
 
@@ -182,7 +182,7 @@ class CheckedRounds:
         ops = []
         while rnd.over_mpi < rnd.launched:
             k = rnd.order[rnd.over_mpi]
-            view = self._mpi_view(k)
+            view = self._mpi_view(rnd, k)
             done = partial(self._reduced_over_mpi, rnd, k, view)
             ops.append(bucket_op(self.lane, as_buffer(view, writable=True),
                                  f"{self._tag(rnd)}.m{rnd.over_mpi}", done))

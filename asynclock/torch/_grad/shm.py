@@ -209,7 +209,7 @@ class ShmTransport(CheckedRounds):
                 del self._rounds[rnd.run.number]  # the pipeline releases the buffers
 
     # -- joined ranks (loop) ---------------------------------------------------------
-    def _mpi_view(self, k: int) -> torch.Tensor:
+    def _mpi_view(self, rnd: Round, k: int) -> torch.Tensor:
         me = self.arena.rank if self.arena is not None else 0
         b = self.plan.buckets[k]
         if self.handed is not None:

@@ -29,6 +29,7 @@ class StepRun:
         self.number, self.generation = number, generation
         self.plan, self.storage = plan, storage
         self.handed = storage.handed  # this round's handed gradients (`grouped`)
+        self.buffers = storage.round_buffers()  # what each bucket reduces this round
         self.transport = transport  # None: one allreduce per bucket; else shared memory
         n = len(plan.buckets)
         # thread side

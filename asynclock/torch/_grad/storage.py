@@ -15,6 +15,14 @@ In a shared window the hook copies nothing: it hands autograd's tensor to
 only what peers read and sums its own chunk from the tensor (`shm_chunks`).
 On Horovod's transport (`grouped`) the hook hands it over too and Horovod
 copies it, scaling on the way; the buffer then holds unscaled values.
+
+On gloo's round path (`hand_in_place`) autograd's tensor stays `.grad`: the
+hook scales it in place, a bucket that holds only its elements is reduced
+in place in it (`RoundBuffers.comm`), and only the elements it shares a
+bucket with other parameters are copied in and, once reduced, back. Like
+DDP's buckets, the gradient then lives until the next `zero_grad()`: freed
+right after its copy, it left the allocator returning memory to the system
+during backward and page-faulting it back for the next layer's gradient.
 """
 
 from __future__ import annotations
@@ -66,6 +74,17 @@ def _groupable(group: str, storage: GradStorage) -> bool:
             and all(storage.direct[i] for i in params))
 
 
+class RoundBuffers:
+    """One round's tensor per bucket (`comm`: the buffer's range, or a range of a
+    gradient reduced in place) and the parameters whose `.grad` stayed autograd's."""
+
+    __slots__ = ("comm", "params")
+
+    def __init__(self, comm: list[torch.Tensor]) -> None:
+        self.comm = list(comm)
+        self.params: set[int] = set()
+
+
 class GradStorage:
     """Buffers and views for one plan; in a shared window when `arena` is given.
 
@@ -99,6 +118,9 @@ class GradStorage:
             self.direct[i] = p.dtype == self.flat[group].dtype
             self.group_of[i] = group
         self.grouped = {g for g in self.flat if grouped and _groupable(g, self)}
+        # gloo's round path: reduce whole-bucket ranges of autograd's tensors in place
+        self.hand_in_place = False
+        self._segment = {(s.param, b.index): s for b in plan.buckets for s in b.segments}
         self.hands = set(self.flat) if arena is not None else self.grouped  # handed groups
 
     def buffer(self, k: int) -> Buffer:
@@ -108,6 +130,9 @@ class GradStorage:
         if buf is None:
             buf = self._buffers[k] = as_buffer(self.comm[k], writable=True)
         return buf
+
+    def round_buffers(self) -> RoundBuffers:
+        return RoundBuffers(self.comm)
 
     def grouped_bucket(self, k: int) -> bool:
         """Bucket k goes to Horovod as a group of handed tensors (see `grouped`)."""
@@ -129,8 +154,9 @@ class GradStorage:
                 view.copy_(p.grad)
                 p.grad = view
 
-    def pack(self, i: int, scale: float) -> None:
-        """The final pass: scaled copy into the buffer (or scale in place)."""
+    def pack(self, i: int, scale: float, into: RoundBuffers | None = None) -> None:
+        """The final pass: scaled copy into the buffer (or scale in place; `into`: the
+        round's buffers, where `hand_in_place` may leave the gradient in place)."""
         if i not in self.region:
             return
         self.writable()
@@ -142,13 +168,14 @@ class GradStorage:
             self._zero(i, p)
             return
         if self.direct[i]:
-            self._pack_direct(i, p, scale)
+            self._pack_direct(i, p, scale, into)
             return
         if not p.grad.is_contiguous():
             p.grad = p.grad.contiguous()
         torch.mul(p.grad.view(-1), scale, out=self.region[i])
 
-    def _pack_direct(self, i: int, p: torch.Tensor, scale: float) -> None:
+    def _pack_direct(self, i: int, p: torch.Tensor, scale: float,
+                     into: RoundBuffers | None) -> None:
         view, group = self.view(i), self.group_of[i]
         scale_here = 1.0 if group in self.grouped else scale  # Horovod scales those
         if _same(p.grad, view):
@@ -158,9 +185,29 @@ class GradStorage:
         assert p.grad is not None
         if self.handed is not None and group in self.hands and _handable(p.grad, view):
             self.handed.hand(i, p.grad, scale)  # the shm pipeline or Horovod copies it
+        elif into is not None and self.hand_in_place and _handable(p.grad, view):
+            self._keep_in_place(i, p.grad, scale, into)
+            return
         else:
             scaled_copy(p.grad, scale_here, view)
         p.grad = view
+
+    def _keep_in_place(self, i: int, grad: torch.Tensor, scale: float,
+                       into: RoundBuffers) -> None:
+        """`.grad` stays autograd's `grad`, scaled in place: each bucket that holds
+        only its elements is reduced in place in it; the elements it shares a
+        bucket with other parameters are copied into the buffer."""
+        if scale != 1.0:
+            grad.mul_(scale)
+        flat = grad.view(-1)
+        into.params.add(i)
+        for k in self.plan.param_buckets[i]:
+            bucket, seg = self.plan.buckets[k], self._segment[(i, k)]
+            if len(bucket.segments) == 1:
+                into.comm[k] = flat[seg.start: seg.stop]
+            else:
+                at = seg.offset - bucket.offset
+                into.comm[k][at: at + seg.numel].copy_(flat[seg.start: seg.stop])
 
     def _zero(self, i: int, p: torch.Tensor) -> None:
         """A parameter without a gradient on this rank contributes zeros (Horovod)."""
@@ -168,12 +215,19 @@ class GradStorage:
         p.grad = self.view(i) if self.direct[i] else torch.zeros_like(p)
 
     # -- consumer side: after the bucket arrived -------------------------------
-    def unpack(self, k: int, post: float) -> None:
-        """Make bucket k's reduced values the parameters' gradients."""
+    def unpack(self, k: int, post: float, into: RoundBuffers | None = None) -> None:
+        """Make bucket k's reduced values the parameters' gradients (`into`: the
+        round's buffers, where some stayed in autograd's tensors)."""
         bucket: Bucket = self.plan.buckets[k]
-        src = self.comm[k]
+        src = self.comm[k] if into is None else into.comm[k]
+        kept = set() if into is None else into.params
         for seg in bucket.segments:
             part = src[seg.offset - bucket.offset: seg.offset - bucket.offset + seg.numel]
+            if self.direct[seg.param] and seg.param in kept and len(bucket.segments) > 1:
+                grad = self.registry.params[seg.param].grad
+                assert grad is not None
+                torch.mul(part, post, out=grad.view(-1)[seg.start: seg.stop])
+                continue
             if self.direct[seg.param]:
                 if post != 1.0:
                     part.mul_(post)
