@@ -103,6 +103,11 @@ class Plan:
         return zlib.crc32(repr([(b.group, b.numel) for b in self.buckets]
                                + list(self.launch)).encode())
 
+    @functools.cached_property
+    def segment(self) -> dict[tuple[int, int], Segment]:
+        """(parameter, bucket) -> the parameter's segment in that bucket."""
+        return {(s.param, b.index): s for b in self.buckets for s in b.segments}
+
     def launch_position(self) -> list[int]:
         """position[k] = where bucket k sits in the launch order."""
         pos = [0] * len(self.buckets)

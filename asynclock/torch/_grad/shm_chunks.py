@@ -70,7 +70,6 @@ class HandedGrads:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self._segments = {(s.param, b.index): s for b in plan.buckets for s in b.segments}
         self.by_bucket: list[list[Handed]] = []
         self.scale = 1.0  # the round's pack scale (`grouped`: Horovod applies it)
         self.clear()
@@ -79,7 +78,7 @@ class HandedGrads:
         """An empty copy for the next round, while buckets of this one may still wait
         for their launch (Horovod groups read the lists at launch)."""
         new = HandedGrads.__new__(HandedGrads)
-        new.plan, new._segments, new.scale = self.plan, self._segments, self.scale
+        new.plan, new.scale = self.plan, self.scale
         new.clear()
         return new
 
@@ -91,7 +90,7 @@ class HandedGrads:
         flat = grad.view(-1)
         lists = self.by_bucket
         for k in self.plan.param_buckets[i]:
-            seg = self._segments[(i, k)]
+            seg = self.plan.segment[(i, k)]
             lists[k].append(Handed(seg, flat[seg.start: seg.stop], scale))
 
     def fill(self, b: Bucket, mine: torch.Tensor, me: int, n: int) -> None:

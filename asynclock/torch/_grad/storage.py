@@ -120,7 +120,6 @@ class GradStorage:
         self.grouped = {g for g in self.flat if grouped and _groupable(g, self)}
         # gloo's round path: reduce whole-bucket ranges of autograd's tensors in place
         self.hand_in_place = False
-        self._segment = {(s.param, b.index): s for b in plan.buckets for s in b.segments}
         self.hands = set(self.flat) if arena is not None else self.grouped  # handed groups
 
     def buffer(self, k: int) -> Buffer:
@@ -202,7 +201,7 @@ class GradStorage:
         flat = grad.view(-1)
         into.params.add(i)
         for k in self.plan.param_buckets[i]:
-            bucket, seg = self.plan.buckets[k], self._segment[(i, k)]
+            bucket, seg = self.plan.buckets[k], self.plan.segment[(i, k)]
             if len(bucket.segments) == 1:
                 into.comm[k] = flat[seg.start: seg.stop]
             else:
