@@ -80,7 +80,8 @@ def grads(nranks: int, transport: str, backend: str, *labels: str) -> None:
 def test_grads_equal_global_batch_for_every_bucket_cap(nranks: int, transport: str,
                                                        backend: str) -> None:
     grads(nranks, transport, backend, "caps_one_tensor_per_bucket", "caps_tiny_partitions",
-          "caps_tiny_default", "caps_everything_in_one", "caps_default")
+          "caps_tiny_default", "caps_tiny_gathered",
+          "caps_everything_in_one", "caps_default")
 
 
 @grads_cases

@@ -55,6 +55,29 @@ def test_no_partition_keeps_tensors_whole() -> None:
     assert len(one.buckets) == 1 and one.buckets[0].numel == 510
 
 
+def test_gathering_keeps_large_tensors_alone_and_small_ones_together() -> None:
+    # backward order: a small tensor, a large one, two small, a large, a small
+    sp = specs(10, 400, 20, 30, 300, 5) + [ParamSpec(8, "float16", 2)]
+    order = [0, 1, 2, 6, 3, 4, 5]
+    plan = build_plan(order, sp, Caps(bucket_bytes=1000, first_bucket_bytes=200,
+                                      partition=False, gather=True))
+    assert [b.params for b in plan.buckets] == [(1,), (4,), (0, 2, 3, 5), (6,)]
+    for group in ("float32", "float16"):  # one contiguous range per bucket, in bucket order
+        spans = [(b.offset, b.numel) for b in plan.buckets if b.group == group]
+        assert spans[0][0] == 0
+        assert all(o + n == o2 for (o, n), (o2, _) in zip(spans, spans[1:], strict=False))
+    for b in plan.buckets:
+        assert b.numel == sum(s.numel for s in b.segments)
+        here = b.offset
+        for s in b.segments:
+            assert s.offset == here == plan.param_offset[s.param]
+            here += s.numel
+    assert plan.group_numel == {"float32": 765, "float16": 8}
+    # without gathering each large tensor closes the open bucket
+    plain = build_plan(order, sp, Caps(1000, 200, partition=False))
+    assert [b.params for b in plain.buckets] == [(0,), (1,), (2, 3), (4,), (6,), (5,)]
+
+
 def test_cap_below_itemsize_still_terminates() -> None:
     plan = build_plan([0], specs(3), Caps(1, 1))
     assert [b.numel for b in plan.buckets] == [1, 1, 1]

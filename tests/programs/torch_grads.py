@@ -43,6 +43,8 @@ CAPS = {
     # partition and window left to the transport: cut within 16 MiB on MPI, whole and
     # unbounded on Horovod's (Horovod fuses and queues buckets itself)
     "tiny_default": Tuning(bucket_cap_mb=40 / MiB, first_bucket_mb=24 / MiB),
+    # over gloo, weights (96-256 bytes) alone and the three biases gathered past them
+    "tiny_gathered": Tuning(bucket_cap_mb=100 / MiB, first_bucket_mb=24 / MiB),
     "everything_in_one": Tuning(bucket_cap_mb=1024, first_bucket_mb=1024),
     "default": Tuning(),
 }
@@ -101,6 +103,8 @@ def check_caps() -> None:
                   "tiny_partitions": buckets > n_params and cut,
                   "tiny_default": (cut is not (on_horovod or over_gloo)
                                    and unbounded is on_horovod),
+                  "tiny_gathered": (not over_gloo or [len(b.params) for b in
+                                                      opt.reducer.plan.buckets] == [1, 1, 1, 3]),
                   "default": buckets >= 1}[label]
         assert expect, f"{label}: {buckets} buckets for {n_params} tensors"
         if over_gloo:  # reduced in place in autograd's tensors, not copied into buckets
@@ -343,8 +347,8 @@ def force_reversed_launch_order(opt: object) -> None:
     assert not reducer.replan_due
     order, n = list(reducer.plan.order), len(reducer.plan.buckets)
     layout = [b.segments for b in reducer.plan.buckets]
-    for cut in (True, False):  # the same layout, cut or not as the reducer chose it
-        caps = replace(reducer.options.caps, partition=cut)
+    for cut, gather in ((True, False), (False, False), (False, True)):  # as the reducer chose
+        caps = replace(reducer.options.caps, partition=cut, gather=gather)
         if [b.segments for b in build_plan(order, reducer.specs, caps).buckets] == layout:
             break
     else:

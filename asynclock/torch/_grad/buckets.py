@@ -36,11 +36,17 @@ class ParamSpec:
 @dataclass(frozen=True, slots=True)
 class Caps:
     """Size limits; `partition=False` never cuts a tensor (one per bucket at most cap);
-    None leaves it to the transport (the reducer decides before it plans)."""
+    None leaves it to the transport (the reducer decides before it plans).
+
+    `gather` (uncut plans only): a tensor of at least the cap takes a bucket of its
+    own and leaves the open bucket open, so the small tensors between large ones
+    gather into one bucket instead of going alone. gloo's rounds reduce a lone
+    tensor in place, and each bucket is one more call."""
 
     bucket_bytes: int = 4 * MiB
     first_bucket_bytes: int = 1 * MiB
     partition: bool | None = True
+    gather: bool = False
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.first_bucket_bytes < 1:
@@ -151,6 +157,10 @@ class _Packer:
     def add(self, i: int) -> None:
         """Pack parameter i; cut it at bucket boundaries when partitioning."""
         spec, start = self.specs[i], 0
+        if self.caps.gather and not self.caps.partition and spec.numel * spec.itemsize >= \
+                self.cap():
+            self.alone(i)
+            return
         while start < spec.numel:
             used = self.used.get(spec.group, 0)
             room = max((self.cap() - used) // spec.itemsize, 0 if used else 1)
@@ -163,6 +173,17 @@ class _Packer:
             start += count
             if self.used[spec.group] >= self.cap():
                 self.close(spec.group)
+
+    def alone(self, i: int) -> None:
+        """Parameter i as a bucket of its own, past the open one (`Caps.gather`): its
+        range in the group buffer lies inside the open bucket's until `_laid_out`."""
+        spec = self.specs[i]
+        offset = self.fill.get(spec.group, 0)
+        self.offsets[i] = offset
+        self.fill[spec.group] = offset + spec.numel
+        self.buckets.append(Bucket(len(self.buckets), spec.group, offset, spec.numel,
+                                   spec.numel * spec.itemsize,
+                                   (Segment(i, 0, spec.numel, offset),)))
 
     def add_group(self, members: Sequence[int]) -> None:
         """A fixed group is one bucket per dtype, never cut, never shared."""
@@ -198,7 +219,27 @@ def build_plan(order: Sequence[int], specs: Sequence[ParamSpec], caps: Caps, *,
             packer.add(i)
     for g in list(packer.open):
         packer.close(g)
+    if caps.gather:
+        _laid_out(packer)
     return _finish(order, packer, launch)
+
+
+def _laid_out(packer: _Packer) -> None:
+    """Lay each group's buckets out one after another in bucket order, so every bucket
+    is again one contiguous range (a gathering bucket's tensors were placed around the
+    lone tensors that went before it closed)."""
+    at: dict[str, int] = {}
+    buckets = []
+    for b in packer.buckets:
+        offset = at.get(b.group, 0)
+        segments, here = [], offset
+        for s in b.segments:
+            segments.append(Segment(s.param, s.start, s.stop, here))
+            packer.offsets[s.param] = here
+            here += s.numel
+        at[b.group] = here
+        buckets.append(Bucket(b.index, b.group, offset, b.numel, b.nbytes, tuple(segments)))
+    packer.buckets = buckets
 
 
 def _finish(order: Sequence[int], packer: _Packer, launch: Sequence[int] | None) -> Plan:

@@ -205,9 +205,10 @@ class Reducer:
             options = replace(options, window_bytes=_UNBOUNDED if horovod else 16 * MiB)
         return options
 
-    def _plan(self, order: list[int], launch: Any, partition: bool | None = None) -> Plan:
-        caps = self.options.caps if partition is None else replace(self.options.caps,
-                                                                   partition=partition)
+    def _plan(self, order: list[int], launch: Any, partition: bool | None = None,
+              gather: bool = False) -> Plan:
+        caps = self.options.caps if partition is None else replace(
+            self.options.caps, partition=partition, gather=gather)
         return build_plan(order, self.specs, caps, groups=self.options.groups, launch=launch)
 
     def _new_run(self) -> StepRun:
@@ -442,11 +443,14 @@ class Reducer:
             self._adopt(plan, shm)
             return True
         floor = max(m or 0 for m in least)
-        whole = self._plan(list(order), None, partition=False) if self._cut_by_choice else None
+        whole = (self._plan(list(order), None, partition=False, gather=True)
+                 if self._cut_by_choice else None)
         if whole is not None and takes_plan(whole, floor):
             # gloo's rounds reduce a bucket that holds one whole tensor in place in the
             # tensor itself (`GradStorage.hand_in_place`); cut, a tensor's pieces would
-            # share buckets with other tensors, and go as more calls for the same bytes
+            # share buckets with other tensors, and go as more calls for the same bytes.
+            # Small tensors gather into shared buckets across the large ones
+            # (`Caps.gather`): each bucket is one more gloo call
             plan = whole
         self._adopt(plan, False, takes_plan(plan, floor))
         return True
