@@ -81,7 +81,7 @@ def test_grads_equal_global_batch_for_every_bucket_cap(nranks: int, transport: s
                                                        backend: str) -> None:
     grads(nranks, transport, backend, "caps_one_tensor_per_bucket", "caps_tiny_partitions",
           "caps_tiny_default", "caps_tiny_gathered",
-          "caps_everything_in_one", "caps_default")
+          "caps_everything_in_one", "caps_default", "late_peer")
 
 
 @grads_cases

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -148,6 +149,30 @@ def check_identical_after_20_steps() -> None:
     transport = {"ShmTransport": "shm", "GlooRounds": "gloo"}.get(
         type(opt.reducer.transport).__name__, "allreduce")
     report(hvd.rank(), f"transport_{transport}")
+
+
+LATE_S = 0.3  # how late the last rank comes to a round (`check_late_peer`)
+
+
+def check_late_peer() -> None:
+    """The last rank comes late to a round: every rank's gradients still match, and over
+    gloo's rounds the others' round check waited for it in the lane's wait thread, asleep
+    between tests (`Operation.header_asleep`), not in turns of the event loop."""
+    model = mlp(seed=5)
+    opt = sgd(model)
+    for step in range(2):  # round 1, then the agreed plan
+        check_grads(model, opt, step, "late peer")
+    engine = opt.reducer.coord.lowlevel.engine
+    before = engine.statistics().thread_waits
+    late = hvd.rank() == hvd.size() - 1
+    if late:
+        time.sleep(LATE_S)
+    check_grads(model, opt, 2, "late peer")
+    waited = engine.statistics().thread_waits - before
+    if type(opt.reducer.transport).__name__ == "GlooRounds" and not late:
+        assert waited == 1, f"the round's check went to the wait thread {waited} times"
+    assert_same_on_all_ranks(model, gather, "late peer")
+    report(hvd.rank(), "late_peer")
 
 
 def check_step_closure() -> None:
@@ -519,6 +544,7 @@ def shm_eligible() -> bool:
 CHECKS: dict[str, Callable[[], None]] = {
     "caps": check_caps, "groups": check_groups,
     "identical": check_identical_after_20_steps, "closure": check_step_closure,
+    "late_peer": check_late_peer,
     "unused": check_unused_and_frozen,
     "handed": check_handed_on_some_ranks_only, "accumulation": check_accumulation,
     "compression": check_compression, "predivide": check_predivide_and_sum,

@@ -187,6 +187,11 @@ class Operation:
     # Its data stages are waited for in the lane's wait thread whatever their size: a
     # stage only another thread can finish (Horovod's), which the loop could only poll.
     wait_in_thread = False
+    # Its header round is tested in the lane's wait thread, asleep in the kernel between
+    # tests (the poller's backoff), and the loop is woken once, when it ends: a round's
+    # check across hosts, where a peer may come tens of milliseconds late and every loop
+    # turn spent testing it takes CPU from the backward pass it overlaps.
+    header_asleep = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
                  "awaiting_hint", "slot", "arrived", "collected", "_recv", "_send", "_words",
@@ -296,10 +301,11 @@ class Operation:
         if self.threaded:
             if not self.thread_done:
                 return False
-            if self.error is not None:  # the wait thread's transport error
+            if self.error is not None:  # the wait thread's transport error: fail the op
+                error, self.error = self.error, None  # (its subclass hears of it)
                 self.request, self.threaded = None, False
                 self.stages.clear()
-                self._done()
+                self.fail(BackendError(f"{self.describe()}: {error}"))
                 return True
         elif not req.Test():
             return False
