@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -290,3 +291,41 @@ def test_a_stale_c_round_is_not_loaded_and_says_so(tmp_path: Path,
     with caplog.at_level("WARNING", logger="asynclock"):
         assert fastpath.load() is None
     assert "older than its source" in caplog.text and "build_fastpath" in caplog.text
+
+
+def test_a_stage_failing_in_the_wait_thread_fails_its_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data stage that fails in the wait thread fails its op through `fail()`, as one
+    that fails on the loop does (a gradient bucket's `on_done` hears of it there): the
+    caller gets a BackendError that names the op, and the next collective works."""
+    import anyio
+
+    from asynclock._core.base.errors import BackendError
+    from asynclock._core.runtime.coordinator import Coordinator, make_backend
+    from asynclock._core.transports.base import Deferred
+    from asynclock._core.transports.local import LocalChannel
+
+    plain = LocalChannel.iallreduce
+    armed = [True]  # the first bulk stage fails, the next one runs
+
+    def lost(self: LocalChannel, send: Any, recv: Any, op: Any) -> Any:
+        if recv.nbytes >= 1 << 20 and armed:
+            armed.clear()
+
+            def fail() -> None:
+                raise RuntimeError("the peer is gone (on purpose)")
+            return Deferred(fail)
+        return plain(self, send, recv, op)
+
+    monkeypatch.setattr(LocalChannel, "iallreduce", lost)
+
+    async def main() -> None:
+        coord = Coordinator(make_backend("local"))
+        async with coord.running():
+            big = torch.ones(1 << 19)  # 2 MiB: a data stage for the wait thread
+            with pytest.raises(BackendError, match=r"allreduce .*the peer is gone"):
+                await coord.allreduce_(big)
+            await coord.allreduce_(big)
+            assert coord.lowlevel.engine.statistics().thread_waits >= 2
+        coord.shutdown()
+
+    anyio.run(main)

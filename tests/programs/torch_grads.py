@@ -155,22 +155,15 @@ LATE_S = 0.3  # how late the last rank comes to a round (`check_late_peer`)
 
 
 def check_late_peer() -> None:
-    """The last rank comes late to a round: every rank's gradients still match, and over
-    gloo's rounds the others' round check waited for it in the lane's wait thread, asleep
-    between tests (`Operation.header_asleep`), not in turns of the event loop."""
+    """The last rank comes late to a round, whose check the others then wait for: every
+    rank's gradients still match."""
     model = mlp(seed=5)
     opt = sgd(model)
     for step in range(2):  # round 1, then the agreed plan
         check_grads(model, opt, step, "late peer")
-    engine = opt.reducer.coord.lowlevel.engine
-    before = engine.statistics().thread_waits
-    late = hvd.rank() == hvd.size() - 1
-    if late:
+    if hvd.rank() == hvd.size() - 1:
         time.sleep(LATE_S)
     check_grads(model, opt, 2, "late peer")
-    waited = engine.statistics().thread_waits - before
-    if type(opt.reducer.transport).__name__ == "GlooRounds" and not late:
-        assert waited == 1, f"the round's check went to the wait thread {waited} times"
     assert_same_on_all_ranks(model, gather, "late peer")
     report(hvd.rank(), "late_peer")
 

@@ -187,11 +187,6 @@ class Operation:
     # Its data stages are waited for in the lane's wait thread whatever their size: a
     # stage only another thread can finish (Horovod's), which the loop could only poll.
     wait_in_thread = False
-    # Its header round is tested in the lane's wait thread, asleep in the kernel between
-    # tests (the poller's backoff), and the loop is woken once, when it ends: a round's
-    # check across hosts, where a peer may come tens of milliseconds late and every loop
-    # turn spent testing it takes CPU from the backward pass it overlaps.
-    header_asleep = False
     __slots__ = ("lane", "call", "state", "request", "stages", "stage_bytes", "threaded",
                  "thread_done", "result", "error", "waiter", "issued_at", "detached", "joined",
                  "awaiting_hint", "slot", "arrived", "collected", "_recv", "_send", "_words",

@@ -230,13 +230,6 @@ class Engine:
             if self.on_event is not None:
                 self.on_event("done", op, now)
             return op
-        if op.header_asleep and op.state is State.HEADER and op.request is not None and \
-                self._waiters is not None:
-            p = self.policy
-            op.threaded = True
-            self._thread_waits += 1
-            self._waiter_for(op.lane).put(op, op.request, Backoff(
-                p.min_sleep_s, p.max_sleep_s, share=p.sleep_fraction))
         self.inflight.append(op)
         self._wakeup.wake()
         return op

@@ -6,10 +6,6 @@ the loop keeps running. It enters a blocking collective only once every rank
 has reached it, and waits for that asleep (`transports.settle`), so a late
 peer costs it no core. Each lane has its own thread: two lanes' bulk stages
 reached in opposite orders on two ranks would otherwise block each other.
-
-A request handed over with a backoff (`Operation.header_asleep`) is tested
-instead, with a sleep in the kernel between tests: a test costs the thread a
-few microseconds where a turn of the event loop costs tens.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..base.backoff import Backoff, poll_until
 from ..base.from_thread import name_os_thread
 from .operation import Operation
 
@@ -30,18 +25,13 @@ class WaitThread:
     def __init__(self, poke: Callable[[Operation], None]) -> None:
         self._poke = poke
         self._put = self._done = 0  # each written by one thread only
-        self._stopping = False  # ends a test loop (`put` with a backoff) early
-        self._testing = False  # in a test loop now
-        self._queue: queue.SimpleQueue[tuple[Operation, Any, Backoff | None] | None] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[tuple[Operation, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="asynclock-wait", daemon=True)
         self._thread.start()
 
-    def put(self, op: Operation, request: Any, backoff: Backoff | None = None) -> None:
-        """Wait for `request` here: in its blocking `Wait`, or, given a backoff, by
-        testing it with the backoff's sleeps between tests."""
+    def put(self, op: Operation, request: Any) -> None:
         self._put += 1
-        self._queue.put((op, request, backoff))
+        self._queue.put((op, request))
 
     def _run(self) -> None:
         name_os_thread("asynclock-wait")
@@ -52,37 +42,21 @@ class WaitThread:
             # thread, which CPython ends by pthread_exit through C++: an abort.
             del item
 
-    def _wait(self, op: Operation, request: Any, backoff: Backoff | None) -> None:
+    def _wait(self, op: Operation, request: Any) -> None:
         try:
-            if backoff is None:
-                request.Wait()
-            elif not self._tested(request, backoff):
-                return  # stopped: the engine is gone, nobody reaps the op
+            request.Wait()
         except Exception as exc:  # surfaced by the op on the loop
             op.error = exc
         op.thread_done = True
         self._done += 1
         self._poke(op)
 
-    def _tested(self, request: Any, backoff: Backoff) -> bool:
-        """Test `request` until it completes (True) or the thread is stopped (False)."""
-        self._testing = True
-        try:
-            backoff.reset()
-            poll_until(lambda: self._stopping or bool(request.Test()), backoff)
-            return not self._stopping
-        finally:
-            self._testing = False
-
     def stop(self) -> None:
         """End the thread; join it when idle, so no wait outlives the engine.
 
         A wait that never returns (a peer died mid-transfer) is not joined:
-        the loop must not block on it, and the job is failing anyway. A test
-        loop ends at its next test, so it is joined: MPI may be finalized next.
+        the loop must not block on it, and the job is failing anyway.
         """
-        self._stopping = True
         self._queue.put(None)
-        if (self._put == self._done or self._testing) and \
-                threading.current_thread() is not self._thread:
+        if self._put == self._done and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2.0)

@@ -37,7 +37,6 @@ from ..._core.transports.gloo_bulk import GLOO_DTYPES
 from ..._core.transports.process_group import PGGroup
 from .buckets import Plan
 from .rounds import CheckedRounds, Round
-from .scheduler import AsleepRoundCheck
 
 _VERDICT_POLL_S = 0.01  # how often a failed bucket looks for the watchdog's verdict
 __all__ = ["GlooRounds", "bulk_min_bytes", "rounds_group", "takes_plan"]
@@ -88,7 +87,6 @@ class GlooRounds(CheckedRounds):
     the thread that packed it, and gloo's thread finishes it (`_landed_gloo`)."""
 
     what = "gloo round"
-    check_type = AsleepRoundCheck  # no sign outside MPI says when the peers issued it
 
     def __init__(self, engine: Engine, lane: Lane, group: PGGroup, plan: Plan, post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:

@@ -57,7 +57,6 @@ class CheckedRounds:
     """The round's check and its fall-backs; a path says where checked buckets go."""
 
     what = "checked round"  # the path, as stall reports name it
-    check_type: type[RoundCheck] = RoundCheck  # the round's checked stage
 
     def __init__(self, engine: Engine, lane: Lane, plan: Plan, post: float,
                  call_soon: Callable[[Callable[[], object]], None]) -> None:
@@ -153,8 +152,7 @@ class CheckedRounds:
             for op in ops:
                 self.engine.submit(op)
             return None
-        check = self.check_type(self.lane, f"{self._tag(rnd)}.s1", value,
-                                partial(self._checked, rnd))
+        check = RoundCheck(self.lane, f"{self._tag(rnd)}.s1", value, partial(self._checked, rnd))
         self._check_made(rnd, check)
         self.engine.submit(check)
         return None

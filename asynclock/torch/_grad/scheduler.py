@@ -155,14 +155,6 @@ class RoundCheck(AllreduceOp):
         self.on_done(0, exc)
 
 
-class AsleepRoundCheck(RoundCheck):
-    """A round's check whose header round the lane's wait thread tests, asleep between
-    tests (`Operation.header_asleep`): across hosts, where nothing outside MPI says
-    when the peers have issued it, and a late peer would cost the loop a turn per test."""
-
-    header_asleep = True
-
-
 def round_tag(plan: Plan, generation: int) -> str:
     """What a round's check compares: plan generation and layout checksum."""
     return f"g{generation}.{plan.crc:08x}"
