@@ -35,7 +35,8 @@ class Tuning:
             Horovod fuses each bucket itself and a cut tensor's parts, ready together,
             would only go as more Horovod collectives, and where buckets go over gloo
             across hosts, which reduces a bucket holding one whole tensor in place in
-            the tensor autograd made (no copy).
+            the tensor autograd made (no copy), and gathers the small tensors between
+            large ones into one bucket.
         priority: launch front buckets first; None: on exactly when forward gating is on.
         replan: re-plan the bucket layout from the gradient order rank 0 observes.
         shm: gradient buckets through the node's shared memory when every rank is on
