@@ -50,8 +50,7 @@ workers=${ASYNCLOCK_TEST_WORKERS:-2}
 pytest=(.venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider)
 rcs=()
 if [ "$workers" -gt 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
-  "${pytest[@]}" -n "$workers" --dist loadfile --no-loadscope-reorder \
-    -m "not serial and not alone" "$@" tests
+  "${pytest[@]}" -n "$workers" --dist loadfile -m "not serial and not alone" "$@" tests
   rcs+=($?)
   elapsed "parallel phase done"
   "${pytest[@]}" -n 2 -m "serial and not alone" "$@" tests
