@@ -73,6 +73,9 @@ def test_gathering_keeps_large_tensors_alone_and_small_ones_together() -> None:
             assert s.offset == here == plan.param_offset[s.param]
             here += s.numel
     assert plan.group_numel == {"float32": 765, "float16": 8}
+    for cut in (True, None):  # gathering lays tensors out whole
+        with pytest.raises(ValueError, match="uncut plan"):
+            Caps(partition=cut, gather=True)
     # without gathering each large tensor closes the open bucket
     plain = build_plan(order, sp, Caps(1000, 200, partition=False))
     assert [b.params for b in plain.buckets] == [(0,), (1,), (2, 3), (4,), (6,), (5,)]

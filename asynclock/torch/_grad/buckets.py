@@ -51,6 +51,8 @@ class Caps:
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.first_bucket_bytes < 1:
             raise ValueError(f"bucket caps must be positive, got {self}")
+        if self.gather and self.partition is not False:
+            raise ValueError(f"gathering small tensors needs an uncut plan, got {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +141,11 @@ class _Packer:
     def close(self, group: str) -> None:
         segs = self.open.pop(group, [])
         self.used.pop(group, None)
-        if not segs:
-            return
+        if segs:
+            self._emit(group, segs)
+
+    def _emit(self, group: str, segs: list[Segment]) -> None:
+        """The next bucket: `segs`, from the first one's offset on."""
         numel = sum(s.numel for s in segs)
         itemsize = self.specs[segs[0].param].itemsize
         self.buckets.append(Bucket(len(self.buckets), group, segs[0].offset, numel,
@@ -157,8 +162,7 @@ class _Packer:
     def add(self, i: int) -> None:
         """Pack parameter i; cut it at bucket boundaries when partitioning."""
         spec, start = self.specs[i], 0
-        if self.caps.gather and not self.caps.partition and spec.numel * spec.itemsize >= \
-                self.cap():
+        if self.caps.gather and spec.numel * spec.itemsize >= self.cap():
             self.alone(i)
             return
         while start < spec.numel:
@@ -181,9 +185,7 @@ class _Packer:
         offset = self.fill.get(spec.group, 0)
         self.offsets[i] = offset
         self.fill[spec.group] = offset + spec.numel
-        self.buckets.append(Bucket(len(self.buckets), spec.group, offset, spec.numel,
-                                   spec.numel * spec.itemsize,
-                                   (Segment(i, 0, spec.numel, offset),)))
+        self._emit(spec.group, [Segment(i, 0, spec.numel, offset)])
 
     def add_group(self, members: Sequence[int]) -> None:
         """A fixed group is one bucket per dtype, never cut, never shared."""

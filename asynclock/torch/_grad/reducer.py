@@ -205,11 +205,9 @@ class Reducer:
             options = replace(options, window_bytes=_UNBOUNDED if horovod else 16 * MiB)
         return options
 
-    def _plan(self, order: list[int], launch: Any, partition: bool | None = None,
-              gather: bool = False) -> Plan:
-        caps = self.options.caps if partition is None else replace(
-            self.options.caps, partition=partition, gather=gather)
-        return build_plan(order, self.specs, caps, groups=self.options.groups, launch=launch)
+    def _plan(self, order: list[int], launch: Any, caps: Caps | None = None) -> Plan:
+        return build_plan(order, self.specs, caps or self.options.caps,
+                          groups=self.options.groups, launch=launch)
 
     def _new_run(self) -> StepRun:
         self.rounds += 1
@@ -443,7 +441,9 @@ class Reducer:
             self._adopt(plan, shm)
             return True
         floor = max(m or 0 for m in least)
-        whole = (self._plan(list(order), None, partition=False, gather=True)
+        gloo = takes_plan(plan, floor)
+        whole = (self._plan(list(order), None, replace(self.options.caps, partition=False,
+                                                       gather=True))
                  if self._cut_by_choice else None)
         if whole is not None and takes_plan(whole, floor):
             # gloo's rounds reduce a bucket that holds one whole tensor in place in the
@@ -451,8 +451,8 @@ class Reducer:
             # share buckets with other tensors, and go as more calls for the same bytes.
             # Small tensors gather into shared buckets across the large ones
             # (`Caps.gather`): each bucket is one more gloo call
-            plan = whole
-        self._adopt(plan, False, takes_plan(plan, floor))
+            plan, gloo = whole, True
+        self._adopt(plan, False, gloo)
         return True
 
     def _gloo_min_bytes(self) -> int | None:
