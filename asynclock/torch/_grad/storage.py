@@ -20,9 +20,9 @@ On gloo's round path (`hand_in_place`) autograd's tensor stays `.grad`: the
 hook scales it in place, a bucket that holds only its elements is reduced
 in place in it (`RoundBuffers.comm`), and only the elements it shares a
 bucket with other parameters are copied in and, once reduced, back. Like
-DDP's buckets, the gradient then lives until the next `zero_grad()`: freed
-right after its copy, it left the allocator returning memory to the system
-during backward and page-faulting it back for the next layer's gradient.
+DDP's buckets, the gradient then lives until the next `zero_grad()`: one
+freed right after its copy lets the allocator return memory to the system
+during backward and page-fault it back for the next layer's gradient.
 """
 
 from __future__ import annotations
