@@ -52,10 +52,25 @@ def pytest_runtest_logreport(report: object) -> None:
 
 def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
     """ASYNCLOCK_CONFORMANCE_FROM=NAME: run NAME and the tests after it only (a
-    reference taken in two jobs around a test where real Horovod hangs)."""
+    reference taken in two jobs around a test where real Horovod hangs).
+    ASYNCLOCK_CONFORMANCE_SHORT="NAME ... SECONDS": those tests get a per-test timeout
+    of their own (tests that take seconds, and whose failing rank leaves the others
+    waiting in the test's last barrier until the timeout)."""
+    _shorten(items, os.environ.get("ASYNCLOCK_CONFORMANCE_SHORT", "").split())
     start = os.environ.get("ASYNCLOCK_CONFORMANCE_FROM")
     if not start:
         return
     names = [str(getattr(item, "name", "")) for item in items]
     if start in names:
         del items[:names.index(start)]
+
+
+def _shorten(items: list[object], spec: list[str]) -> None:
+    if len(spec) < 2:
+        return
+    import pytest
+
+    *names, seconds = spec
+    for item in items:
+        if getattr(item, "name", "") in names:
+            item.add_marker(pytest.mark.timeout(float(seconds)))  # type: ignore[attr-defined]
