@@ -180,6 +180,8 @@ DECLARED: tuple[Setting, ...] = (
        choices=("auto", "embedded", "system")),
     _s("TEST_WORKERS", "number", "2", "pytest workers for launch/test.sh's parallel phase "
        "(0: every test in one process).", scope=TESTS),
+    _s("TEST_CPU_LOG", "path", "", "File that pytest appends each test's CPU seconds to "
+       "(its jobs' ranks included).", scope=TESTS),
     _s("TEST_BACKENDS", "text", "mpi,horovod", "Backends the torch tests run on.",
        scope=TESTS),
     _s("CONFORMANCE_TARGET", "text", "asynclock", "What Horovod's own tests run against.",
@@ -191,6 +193,8 @@ DECLARED: tuple[Setting, ...] = (
        "runner).", scope=TESTS),
     _s("CONFORMANCE_TIMEOUT_METHOD", "text", "signal", "pytest-timeout's method per test.",
        scope=TESTS, choices=("signal", "thread")),
+    _s("CONFORMANCE_SHORT", "text", "", "Horovod's tests that get a per-test timeout of their "
+       "own: their names, then the seconds.", scope=TESTS),
     _s("NETRIG", "path", "", "The netrig tool (default: ../shared/netrig).", scope=TESTS),
     _s("NETRIG_TESTS", "flag", "1", "Run the tests across network-namespace hosts.",
        scope=TESTS),
