@@ -137,6 +137,11 @@ def cached_wheel(kdir: Path) -> Path | None:
     return wheels[-1] if wheels and (kdir / "key.json").exists() else None
 
 
+def launcher_checked(kdir: Path) -> Path:
+    """Return the file that says this key's wheel passed `horovodrun --check-build`."""
+    return kdir / "check-build.ok"
+
+
 def stamp_path() -> Path:
     """Return where we record which key is installed in the venv."""
     return mpi_select.venv_prefix() / STAMP_NAME
@@ -320,8 +325,8 @@ def install_horovodrun() -> None:
 
 def verify(kind: str, launcher: bool = True) -> None:
     """Check Horovod imports, initialises, and reports MPI+Gloo built; with `launcher`,
-    also that `horovodrun --check-build` runs (slow to start; a wheel from the cache passed
-    it when it was built)."""
+    also that `horovodrun --check-build` runs (slow to start: once per cached wheel,
+    `launcher_checked`)."""
     env = mpi_select.environ_for(kind)
     code = ("import horovod.torch as hvd; hvd.init(); "
             "print('mpi_built', hvd.mpi_built(), 'gloo_built', hvd.gloo_built(), "
@@ -358,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"up to date: {cached_wheel(kdir)} (nothing to do, {time.monotonic() - start:.1f} s)")
         return 0
     wheel = None if args.force else cached_wheel(kdir)
-    built = wheel is None
-    if built:
+    if wheel is None:
+        launcher_checked(kdir).unlink(missing_ok=True)  # a new wheel is checked again
         wheel = build_wheel(args.version, kind, kdir, args.jobs, args.nice)
         (kdir / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True))
     else:
@@ -370,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     install_wheel(wheel)
     install_horovodrun()
     if not args.no_verify:
-        verify(kind, launcher=built)
+        checked = launcher_checked(kdir)
+        verify(kind, launcher=not checked.exists())
+        checked.touch()
     stamp_path().write_text(json.dumps(key, indent=2, sort_keys=True))  # only once it works
     log(f"done in {time.monotonic() - start:.0f} s; wheel {wheel}")
     return 0
