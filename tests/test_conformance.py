@@ -31,7 +31,7 @@ EXCUSED = {**DEVIATIONS["intended"], **DEVIATIONS["known"], **DEVIATIONS["horovo
 DESELECT_AT_3 = DEVIATIONS["deselect_at_3"]
 TIMING = DEVIATIONS["timing"]
 TIMING_RERUNS = 2
-# A [timing] test takes about 5 s; when its assertion fails on one rank, the others wait
+# A [timing] test sleeps 5 s on rank 0; when its assertion fails on one rank, the others wait
 # in its closing barrier until this per-test timeout, not the job's 60 s.
 TIMING_TEST_TIMEOUT_S = 20
 
