@@ -1,10 +1,13 @@
-"""Shared pytest options: `--long` turns on the long fault/soak variants."""
+"""Shared pytest options: `--long` turns on the long fault/soak variants; test files run
+longest first (`file_seconds`)."""
 
 from __future__ import annotations
 
 import os
 import resource
+import time
 
+import file_seconds
 import pytest
 
 
@@ -13,6 +16,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_first = file_seconds.order_key(file_seconds.load())
+    items.sort(key=lambda item: longest_first(item.nodeid))
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long variant: run with --long")
@@ -24,17 +29,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """ASYNCLOCK_TEST_CPU_LOG=FILE: append each test's CPU seconds (this process and the
-    jobs it waited for: MPI launchers count their ranks) to FILE, to find what makes the
-    suite slow on CI's two cores."""
+    jobs it waited for: MPI launchers count their ranks) and wall seconds to FILE, to find
+    what makes the suite slow on CI's two cores."""
     log = os.environ.get("ASYNCLOCK_TEST_CPU_LOG")
     if not log:
         return (yield)
-    before = _cpu_seconds()
+    before, began = _cpu_seconds(), time.perf_counter()
     try:
         return (yield)
     finally:
         with open(log, "a") as f:
-            f.write(f"{_cpu_seconds() - before:.2f} {item.nodeid}\n")
+            f.write(f"{_cpu_seconds() - before:.2f} {time.perf_counter() - began:.2f} "
+                    f"{item.nodeid}\n")
 
 
 def _cpu_seconds() -> float:

@@ -180,8 +180,8 @@ DECLARED: tuple[Setting, ...] = (
        choices=("auto", "embedded", "system")),
     _s("TEST_WORKERS", "number", "2", "pytest workers for launch/test.sh's parallel phase "
        "(0: every test in one process).", scope=TESTS),
-    _s("TEST_CPU_LOG", "path", "", "File that pytest appends each test's CPU seconds to "
-       "(its jobs' ranks included).", scope=TESTS),
+    _s("TEST_CPU_LOG", "path", "", "File that pytest appends each test's CPU seconds "
+       "(its jobs' ranks included) and wall seconds to.", scope=TESTS),
     _s("TEST_BACKENDS", "text", "mpi,horovod", "Backends the torch tests run on.",
        scope=TESTS),
     _s("CONFORMANCE_TARGET", "text", "asynclock", "What Horovod's own tests run against.",
