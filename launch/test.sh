@@ -45,8 +45,7 @@ rm -rf "$report"
 elapsed "static checks done"
 [ "$static" = 0 ] || echo "[test] static checks failed (ruff, mypy --strict, import-linter)" >&2
 # Most test time is rank start-up and waiting on other ranks, so two pytest workers share
-# the machine's cores (whole files to a worker: a file's tests share its cached jobs),
-# taking the longest files first (tests/file_seconds.py) so that they end together.
+# the machine's cores (whole files to a worker: a file's tests share its cached jobs).
 # Then the launcher's timed jobs (`serial`: mostly waiting out timeouts and signals), two at
 # a time, and last the tests that time microsecond calls (`alone`), alone on the machine.
 # ASYNCLOCK_TEST_WORKERS=0 runs all in one.
@@ -54,7 +53,7 @@ workers=${ASYNCLOCK_TEST_WORKERS:-2}
 pytest=(.venv/bin/python -m pytest -ra --durations=30 -p no:cacheprovider)
 rcs=()
 if [ "$workers" -gt 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
-  "${pytest[@]}" -n "$workers" --dist loadfile --no-loadscope-reorder -m "not serial and not alone" "$@" tests
+  "${pytest[@]}" -n "$workers" --dist loadfile -m "not serial and not alone" "$@" tests
   rcs+=($?)
   elapsed "parallel phase done"
   "${pytest[@]}" -n 2 -m "serial and not alone" "$@" tests

@@ -1,5 +1,4 @@
-"""Shared pytest options: `--long` turns on the long fault/soak variants; test files run
-longest first (`file_seconds`)."""
+"""Shared pytest options: `--long` turns on the long fault/soak variants."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import os
 import resource
 import time
 
-import file_seconds
 import pytest
 
 
@@ -16,8 +14,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    longest_first = file_seconds.order_key(file_seconds.load())
-    items.sort(key=lambda item: longest_first(item.nodeid))
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long variant: run with --long")
