@@ -1,7 +1,8 @@
 """Large allreduces through the node's shared window (`transports.node_window`),
 in real jobs on both MPIs: every op and dtype against numpy's rank-order fold,
 bit-identical on every rank, in place and not, a cancelled await, a mismatch,
-a process set, and the switch that turns it off."""
+a process set, and the switch that turns it off; the loop's steps in C and in
+Python, on one window within one allreduce, and a peer's abort under the C steps."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def test_window_allreduce_matches_rank_order_fold(kind: str, nranks: int, loop: 
     args = ["--trio"] if loop == "trio" else []
     job = run_job("node_window.py", nranks, *args, timeout=120, kind=kind, env=SMALL)
     assert_labels(job, nranks, *LABELS)
+
+
+@pytest.mark.parametrize("kind", [MPI_KIND, *OTHER_KINDS])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_c_and_python_steps_meet_on_one_window(kind: str, nranks: int) -> None:
+    job = run_job("window_steps.py", nranks, timeout=60, kind=kind)
+    assert_labels(job, nranks, "mixed", "abort")
 
 
 def test_window_switched_off_leaves_allreduces_to_mpi() -> None:

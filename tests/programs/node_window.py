@@ -26,6 +26,7 @@ from _common import report, run
 from mpi4py import MPI
 
 import asynclock
+from asynclock._core.engine import fastpath
 from asynclock._core.transports.mpi import WINDOW_LOOP_HI
 
 OFF = "--off" in sys.argv
@@ -167,6 +168,10 @@ async def main() -> None:
             # once the window is made, an awaited allreduce runs on the loop, step by step
             polled = c.backend.window_loop_calls()  # type: ignore[attr-defined]
             assert polled >= count // 2, f"only {polled} of {count} run on the loop"
+            # of them, those whose dtype and op have a C fold run C steps where it is built
+            in_c = c.backend.window_c_calls()  # type: ignore[attr-defined]
+            assert (in_c > count // 4) == (fastpath.module() is not None), (
+                f"{in_c} of {polled} in C, C steps {'' if fastpath.module() else 'not '}built")
         report(c.rank, "done", f"{windows} through the window")
 
 

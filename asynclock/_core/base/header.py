@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .errors import JoinedError, MismatchError, RemoteInputError
-from .ops import DTYPE_CODES, DTYPE_NAMES, Kind, ReduceOp
+from .ops import DTYPE_CODES, DTYPE_NAMES, NUMPY_OF_CODE, Kind, ReduceOp
 from .tensors import FAULT_TEXT, InputFault
 
 WORDS = 18
@@ -254,6 +254,9 @@ _FOLD_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 FOLDS: dict[tuple[int, ReduceOp], int] = {
     (DTYPE_CODES[d], op): 1 + i * len(_FOLD_DTYPES) + j
     for i, op in enumerate(_FOLD_OPS) for j, d in enumerate(_FOLD_DTYPES)}
+# (numpy dtype, op) -> the same fold codes, for the C folds of data in memory
+NUMPY_FOLDS: dict[tuple[np.dtype[Any], ReduceOp], int] = {
+    (np.dtype(NUMPY_OF_CODE[code]), op): fold for (code, op), fold in FOLDS.items()}
 _FOLD_UFUNCS: dict[int, tuple[np.dtype[Any], Any]] = {
     1 + i * len(_FOLD_DTYPES) + j: (np.dtype(d), uf)
     for i, uf in enumerate((np.add, np.multiply, np.minimum, np.maximum))

@@ -1,4 +1,4 @@
-/* The small-message path of engine.small_calls in C, in four parts:
+/* The small-message path of engine.small_calls in C, in five parts:
  * - CompactRound: the compact header round over MPI; one call issues, spins
  *   and judges it;
  * - NodeRound, NodeCompactRound, NodeRequest: the same round through the
@@ -6,7 +6,9 @@
  * - HotAllreduce: a small allreduce of an armed signature, from its checks to
  *   its fold;
  * - NodeData, NodeDataRequest: mid-size allreduces' data through the node's
- *   shared memory, where every rank of a channel is on one node.
+ *   shared memory, where every rank of a channel is on one node;
+ * - WindowSteps, WindowRequest: the steps of a node window allreduce that the
+ *   loop polls (transports.node_window).
  *
  * Why: on the small-message path the Python around MPI (buffer writes, the
  * Iallreduce and Test calls through mpi4py, the verdict, a copy) costs
@@ -34,6 +36,12 @@
 #include <stdint.h>
 #include <string.h>
 #include <sched.h>
+#include <limits.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <time.h>
 
 enum { DONE_FOLDED = 0, DIFFERENT = 1, IN_FLIGHT = 2, DONE = 3 };
@@ -751,6 +759,273 @@ static PyTypeObject NodeDataRequestType = {
     .tp_methods = node_data_request_methods,
 };
 
+/* -- the node window's allreduce steps on the loop (transports.node_window) --
+ * A mid-size allreduce that a caller awaits on one node runs through the node
+ * window as a request the loop polls (node_window.LoopAllreduce): three data
+ * steps, each behind every rank's progress counter. In Python each test costs
+ * several MPI_Win_sync calls through mpi4py and a dozen small numpy calls, a
+ * large share of a 1-4 MiB allreduce; WindowSteps does the same steps on the
+ * same window, counters and bells (shared_window's layout and discipline), so
+ * ranks on either path interoperate within one allreduce.
+ *
+ * Layout per local rank q: a control block at bases[q] (int64 counters from its
+ * start, ABORTED first; the 32-bit bell at BELL; the sleepers word at SLEEPERS),
+ * its region `region` bytes after it. A counter is stored between two full
+ * fences and read between two, as shared_window.publish and least do with
+ * MPI_Win_sync, which on x86-64 is such a fence.
+ */
+enum { W_ABORTED = 0, W_ARRIVED = 1, W_REDUCED = 2, W_LEFT = 3, W_BELL = 128, W_SLEEPERS = 192 };
+
+typedef struct {
+    PyObject_HEAD
+    char **bases;  /* every local rank's control block */
+    int rank, size;
+    Py_ssize_t region;  /* offset of a region from its control block */
+    Py_ssize_t region_bytes;
+    uint32_t writer;  /* this rank's bell writer code (shared_window's PEER writer) */
+    PyObject *rings;  /* shared_window's count for that writer: one sequence for both paths */
+    PyObject *owner;  /* keeps the window's memory mapped */
+} WindowSteps;
+
+typedef struct {
+    PyObject_HEAD
+    WindowSteps *win;
+    int64_t epoch;
+    int step, fold;
+    size_t esize, items;
+    const char *src;
+    char *out;
+    PyObject *src_obj, *out_obj;
+} WindowRequest;
+
+static PyTypeObject WindowRequestType;
+
+static volatile int64_t *win_counter(const WindowSteps *w, int q, int counter) {
+    return (volatile int64_t *)(w->bases[q]) + counter;
+}
+
+static char *win_region(const WindowSteps *w, int q) { return w->bases[q] + w->region; }
+
+/* shared_window.owned_slice */
+static void win_slice(size_t items, int r, int n, size_t *lo, size_t *hi) {
+    size_t base = items / (size_t)n, extra = items % (size_t)n;
+    *lo = (size_t)r * base + ((size_t)r < extra ? (size_t)r : extra);
+    *hi = *lo + base + ((size_t)r < extra ? 1 : 0);
+}
+
+/* Every rank's `counter` at `value` at least: 1; not yet: 0; a rank failed: -(q + 1). */
+static int win_ready(const WindowSteps *w, int counter, int64_t value) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int ready = 1;
+    for (int q = 0; q < w->size; q++)
+        if (__atomic_load_n(win_counter(w, q, counter), __ATOMIC_ACQUIRE) < value) ready = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the data vouched for is read after */
+    if (ready) return 1;
+    for (int q = 0; q < w->size; q++)
+        if (__atomic_load_n(win_counter(w, q, W_ABORTED), __ATOMIC_ACQUIRE)) return -(q + 1);
+    return 0;
+}
+
+/* shared_window.publish: the counter after my writes, then every peer's bell
+ * stamped and, where its owner says a thread sleeps on it, woken. -1: error set. */
+static int win_publish(const WindowSteps *w, int counter, int64_t value) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(win_counter(w, w->rank, counter), value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < w->size; q++) {
+        if (q == w->rank) continue;
+        PyObject *n = PyIter_Next(w->rings);
+        if (n == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "bell count ended");
+            return -1;
+        }
+        unsigned long count = PyLong_AsUnsignedLongMask(n);
+        Py_DECREF(n);
+        uint32_t stamp = ((w->writer & 0x7Fu) << 24) | ((uint32_t)count & 0xFFFFFFu);
+        __atomic_store_n((uint32_t *)(w->bases[q] + W_BELL), stamp, __ATOMIC_RELAXED);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* bells stored before I look who sleeps */
+    for (int q = 0; q < w->size; q++) {
+        if (q == w->rank) continue;
+#ifdef __linux__  /* elsewhere base.futex sleeps briefly and looks again: no wake */
+        if (__atomic_load_n((uint32_t *)(w->bases[q] + W_SLEEPERS), __ATOMIC_RELAXED))
+            syscall(SYS_futex, (uint32_t *)(w->bases[q] + W_BELL), FUTEX_WAKE, INT_MAX,
+                    NULL, NULL, 0);
+#endif
+    }
+    return 0;
+}
+
+/* One step's memory work (no Python objects: the caller drops the GIL around it). */
+static void win_work(const WindowRequest *r) {
+    const WindowSteps *w = r->win;
+    size_t lo, hi, es = r->esize;
+    if (r->step == 0) {  /* every slice but my own into my region, for its owner */
+        char *mine = win_region(w, w->rank);
+        for (int k = 0; k < w->size; k++) {
+            if (k == w->rank) continue;
+            win_slice(r->items, k, w->size, &lo, &hi);
+            memcpy(mine + lo * es, r->src + lo * es, (hi - lo) * es);
+        }
+    } else if (r->step == 1) {  /* my slice folded over every rank, in rank order */
+        win_slice(r->items, w->rank, w->size, &lo, &hi);
+        size_t len = (hi - lo) * es;
+        char *acc = win_region(w, w->rank) + lo * es;
+        const char *part[2];
+        for (int q = 0; q < 2; q++)
+            part[q] = q == w->rank ? r->src + lo * es : win_region(w, q) + lo * es;
+        fold_pair(r->fold, part[0], part[1], acc, len);
+        for (int q = 2; q < w->size; q++)
+            fold_pair(r->fold, acc, q == w->rank ? r->src + lo * es : win_region(w, q) + lo * es,
+                      acc, len);
+    } else {  /* every folded slice from its owner's region */
+        for (int k = 0; k < w->size; k++) {
+            win_slice(r->items, k, w->size, &lo, &hi);
+            memcpy(r->out + lo * es, win_region(w, k) + lo * es, (hi - lo) * es);
+        }
+    }
+}
+
+/* advance() -> int: take every step whose peers are there. 1: finished; 0: a peer
+ * is not there yet; -(q + 1): local rank q failed (its ABORTED slot). A test that
+ * finds a peer missing returns at once: the engine's poller decides how long to
+ * wait, as for every request. */
+static PyObject *window_request_advance(WindowRequest *self, PyObject *unused) {
+    static const int waits[3] = {W_LEFT, W_ARRIVED, W_REDUCED};
+    static const int publishes[3] = {W_ARRIVED, W_REDUCED, W_LEFT};
+    while (self->step < 3) {
+        int ready = win_ready(self->win, waits[self->step],
+                              self->step == 0 ? self->epoch - 1 : self->epoch);
+        if (ready <= 0) return PyLong_FromLong(ready);
+        Py_BEGIN_ALLOW_THREADS
+        win_work(self);
+        Py_END_ALLOW_THREADS
+        if (win_publish(self->win, publishes[self->step], self->epoch) < 0) return NULL;
+        self->step++;
+    }
+    return PyLong_FromLong(1);
+}
+
+static void window_request_dealloc(WindowRequest *self) {
+    Py_CLEAR(self->win);
+    Py_CLEAR(self->src_obj);
+    Py_CLEAR(self->out_obj);
+    PyObject_Free(self);
+}
+
+static PyMethodDef window_request_methods[] = {
+    {"advance", (PyCFunction)window_request_advance, METH_NOARGS,
+     "Take the steps whose peers are there: 1 finished, 0 waiting, -(q + 1) rank q failed."},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef window_request_members[] = {
+    {"step", T_INT, offsetof(WindowRequest, step), READONLY, "steps taken (3: all)"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject WindowRequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.WindowRequest",
+    .tp_basicsize = sizeof(WindowRequest),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One allreduce's steps through the node window, until it finishes.",
+    .tp_dealloc = (destructor)window_request_dealloc,
+    .tp_methods = window_request_methods,
+    .tp_members = window_request_members,
+};
+
+static int window_steps_init(WindowSteps *self, PyObject *args, PyObject *kw) {
+    PyObject *bases, *rings, *owner;
+    int rank;
+    Py_ssize_t region, region_bytes;
+    unsigned int writer;
+    if (!PyArg_ParseTuple(args, "O!innIOO", &PyTuple_Type, &bases, &rank, &region,
+                          &region_bytes, &writer, &rings, &owner))
+        return -1;
+    Py_ssize_t size = PyTuple_GET_SIZE(bases);
+    if (size < 2 || rank < 0 || rank >= size || region < W_SLEEPERS + 4 || region_bytes < 0
+            || !PyIter_Check(rings)) {
+        PyErr_SetString(PyExc_ValueError, "not a node window");
+        return -1;
+    }
+    char **list = PyMem_Calloc((size_t)size, sizeof(char *));
+    if (list == NULL) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t q = 0; q < size; q++) {
+        list[q] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(bases, q));
+        if (PyErr_Occurred()) { PyMem_Free(list); return -1; }
+    }
+    PyMem_Free(self->bases);
+    self->bases = list;
+    self->rank = rank;
+    self->size = (int)size;
+    self->region = region;
+    self->region_bytes = region_bytes;
+    self->writer = writer;
+    Py_INCREF(rings);
+    Py_XSETREF(self->rings, rings);
+    Py_INCREF(owner);
+    Py_XSETREF(self->owner, owner);
+    return 0;
+}
+
+static void window_steps_dealloc(WindowSteps *self) {
+    PyMem_Free(self->bases);
+    Py_CLEAR(self->rings);
+    Py_CLEAR(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* start(src, out, fold, epoch) -> WindowRequest, or None where `fold` is no fold code
+ * this file knows (the Python steps take it). `src` may be `out`. */
+static PyObject *window_steps_start(WindowSteps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "start takes 4 arguments");
+    long fold = PyLong_AsLong(args[2]);
+    long long epoch = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    char probe[8];
+    if (fold_pair((int)fold, probe, probe, probe, 0) < 0) Py_RETURN_NONE;
+    char *src, *out;
+    Py_ssize_t slen, olen;
+    if (memory_of(args[0], 0, &src, &slen) < 0 || memory_of(args[1], 1, &out, &olen) < 0)
+        return NULL;
+    size_t esize = (fold - 1) % 2 ? 8 : 4;  /* header.FOLDS: float32, float64, int32, int64 */
+    if (slen != olen || olen > self->region_bytes || (size_t)olen % esize)
+        return PyErr_Format(PyExc_ValueError, "not an allreduce this window holds");
+    WindowRequest *req = PyObject_New(WindowRequest, &WindowRequestType);
+    if (req == NULL) return NULL;
+    Py_INCREF(self);
+    req->win = self;
+    req->epoch = epoch;
+    req->step = 0;
+    req->fold = (int)fold;
+    req->esize = esize;
+    req->items = (size_t)olen / esize;
+    req->src = src;
+    req->out = out;
+    Py_INCREF(args[0]);
+    req->src_obj = args[0];
+    Py_INCREF(args[1]);
+    req->out_obj = args[1];
+    return (PyObject *)req;
+}
+
+static PyMethodDef window_steps_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))window_steps_start, METH_FASTCALL,
+     "An allreduce of `src` into `out` through the window at `epoch`, not yet stepped."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject WindowStepsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "asynclock._fastpath.WindowSteps",
+    .tp_basicsize = sizeof(WindowSteps),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A node window's loop allreduces in C: "
+              "WindowSteps(bases, rank, region_offset, region_bytes, writer, rings, owner)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)window_steps_init,
+    .tp_dealloc = (destructor)window_steps_dealloc,
+    .tp_methods = window_steps_methods,
+};
+
 /* -- both rounds behind one exchange() ----------------------------------- */
 
 /* The send and receive words of a CompactRound or NodeCompactRound; -1 with an
@@ -1190,7 +1465,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&CompactRoundType) < 0 || PyType_Ready(&NodeRoundType) < 0
             || PyType_Ready(&NodeRequestType) < 0 || PyType_Ready(&NodeCompactRoundType) < 0
             || PyType_Ready(&HotAllreduceType) < 0 || PyType_Ready(&NodeDataType) < 0
-            || PyType_Ready(&NodeDataRequestType) < 0 || intern_names() < 0)
+            || PyType_Ready(&NodeDataRequestType) < 0 || PyType_Ready(&WindowStepsType) < 0
+            || PyType_Ready(&WindowRequestType) < 0 || intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -1205,6 +1481,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyModule_AddObject(m, "HotAllreduce", (PyObject *)&HotAllreduceType) < 0) return NULL;
     Py_INCREF(&NodeDataType);
     if (PyModule_AddObject(m, "NodeData", (PyObject *)&NodeDataType) < 0) return NULL;
+    Py_INCREF(&WindowStepsType);
+    if (PyModule_AddObject(m, "WindowSteps", (PyObject *)&WindowStepsType) < 0) return NULL;
     PyModule_AddIntConstant(m, "REC_BYTES", REC_BYTES);
     PyModule_AddIntConstant(m, "DATA_HEAD", DATA_HEAD);
     PyModule_AddIntConstant(m, "DONE_FOLDED", DONE_FOLDED);

@@ -191,6 +191,17 @@ def node_data_for(transport: Any, node_round: Any) -> Any:
     return data
 
 
+def arm_window(transport: Any) -> None:
+    """Hand the channel's node window, where it has one, the C steps of the allreduces
+    the loop runs through it (`NodeWindow.use_c_steps`). Local, not collective: the C
+    and Python steps share the window's counters and bells, so ranks may differ."""
+    view = transport.bulk_view() if hasattr(transport, "bulk_view") else None
+    window = getattr(view, "window", None)
+    mod = module()
+    if window is not None and mod is not None:
+        window.use_c_steps(mod.WindowSteps)
+
+
 def hot_allreduce(rnd: Any, *args: Any) -> Any:
     """The C `HotAllreduce` on `rnd`, a C compact round, made with `args` (see
     `engine.small_calls`); None where `rnd` is Python's."""

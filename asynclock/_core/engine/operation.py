@@ -43,7 +43,7 @@ from ..base.header import (
     pack,
 )
 from ..transports.base import Channel, DataTransport, Request
-from . import header_round
+from . import fastpath, header_round
 from .policy import ProgressPolicy
 
 Stage = Callable[[DataTransport], Request]  # called with the transport to use
@@ -119,6 +119,7 @@ class Lane:
         # Mid-size allreduces' data through the same node's memory (collective, after the
         # node round; the channel keeps it and picks it per call from agreed facts).
         self.node_data = header_round.node_data(transport, self.header_rounds.node)
+        fastpath.arm_window(transport)  # local: either path's steps interoperate
         self.awaiting_rows = 0  # ops whose rows round waits for its turn
         self.rows_rounds = 0  # rows rounds issued here (all of them without a compact round)
 

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from ..base import settings
-from ..base.header import COMPACT_BYTES, FOLDS, combine
-from ..base.ops import HALF_CODES, NUMPY_OF_CODE, ReduceOp
+from ..base.header import COMPACT_BYTES, NUMPY_FOLDS, combine
+from ..base.ops import HALF_CODES, ReduceOp
 from .base import Array, Deferred, Request, close_channel_of
 from .gloo_bulk import GlooGroup, GlooStore
 from .gloo_bulk import mode as gloo_mode
@@ -58,10 +58,6 @@ def _mpi_op(op: ReduceOp) -> Any:
                      ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD})
     return _OPS[op]
 
-
-# The node data rounds' fold codes (`header.FOLDS`) by numpy dtype and op.
-_NODE_FOLDS: dict[tuple[np.dtype[Any], ReduceOp], int] = {
-    (np.dtype(NUMPY_OF_CODE[code]), op): fold for (code, op), fold in FOLDS.items()}
 
 _P2P_TAG = 7
 _COMPACT: list[tuple[Any, Any]] = []  # (datatype, op), made once per process
@@ -155,7 +151,7 @@ class MPIChannel:
         node = self._node_data
         if node is not None and type(recv) is np.ndarray and 0 < recv.nbytes <= node.slot:
             # decided from agreed facts only (size, dtype, op): every rank goes alike
-            fold = _NODE_FOLDS.get((recv.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
+            fold = NUMPY_FOLDS.get((recv.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
             if fold is not None:
                 return node.start(recv if send is None else send, recv, fold)  # type: ignore[no-any-return]
         return self.data.Iallreduce(  # type: ignore[no-any-return]
@@ -293,6 +289,10 @@ class MPIBackend:
         """Of those, the allreduces the loop ran step by step (`NodeWindow.on_loop`)."""
         return sum(ch.bulk_view().window_loop_calls() for ch in self._channels)
 
+    def window_c_calls(self) -> int:
+        """Of those, the allreduces whose steps ran in C (`NodeWindow.use_c_steps`)."""
+        return sum(ch.bulk_view().window_c_calls() for ch in self._channels)
+
     def describe(self) -> str:
         version = _mpi().Get_library_version().splitlines()[0].strip()
         return f"mpi ({version}, pid {os.getpid()})"
@@ -363,6 +363,9 @@ class BulkChannel:
 
     def window_loop_calls(self) -> int:
         return self.window.loop_calls if self.window is not None else 0
+
+    def window_c_calls(self) -> int:
+        return self.window.c_calls if self.window is not None else 0
 
     def iallreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request:
         window = self.window

@@ -41,12 +41,18 @@ request the caller's poller tests (`on_loop`): each test takes the next step
 whose peers are there and never waits, which saves the two hand-overs between
 threads, each a wake-up of a sleeping thread. It does so only on one node, in
 a window already made large enough, and with nothing of this window queued
-for the wait thread. An allreduce takes its epoch when it starts, the loop's
-when it is issued and the thread's when the thread reaches it, which is after
-every allreduce issued before it started; each waits for every rank's LEFT of
-the epoch before (its own rank's included) before it writes its region. So
-every rank runs the window's allreduces in issue order whichever path each
-takes, and ranks may take different paths for the same allreduce.
+for the wait thread. Where the engine handed the window C steps (`use_c_steps`:
+`_fastpath.c`'s WindowSteps: the same steps on the same counters and bells)
+and the dtype and op have a C fold, those run them, without the Python calls
+around every counter and copy; otherwise `_Plan`'s do.
+
+An allreduce takes its epoch when it starts, the loop's when it is issued
+and the thread's when the thread reaches it, which is after every allreduce
+issued before it started; each waits for every rank's LEFT of the epoch
+before (its own rank's included) before it writes its region. So every rank
+runs the window's allreduces in issue order whichever path each takes, and
+ranks may take different paths (thread or loop, C or Python steps) for the
+same allreduce.
 """
 
 from __future__ import annotations
@@ -57,10 +63,11 @@ from typing import Any
 import numpy as np
 
 from ..base.errors import BackendError
+from ..base.header import NUMPY_FOLDS
 from ..base.ops import ReduceOp
 from ..base.reduce import ufunc
 from .settle import settle
-from .shared_window import SharedWindow, owned_slice
+from .shared_window import CTL_BYTES, PEER, SharedWindow, owned_slice
 
 Array = np.ndarray[Any, Any]
 
@@ -84,6 +91,7 @@ class NodeWindow:
         self.min_bytes = min_bytes
         self.calls = 0  # allreduces that went through the window
         self.loop_calls = 0  # of them, those the loop ran (`on_loop`)
+        self.c_calls = 0  # of those, the ones the C steps ran (`use_c_steps`)
         self._comm, self._mpi_op = comm, mpi_op
         self._usable: bool | None = None  # learned at the first allreduce (collective)
         self._node: Any = None
@@ -96,6 +104,25 @@ class NodeWindow:
         # allreduces handed to the wait thread, and those it ended: each written by one
         # thread only (the loop hands, the wait thread ends)
         self.handed = self.ended = 0
+        self._c_steps: Callable[..., Any] | None = None  # `use_c_steps`
+        self._c_window: Any = None  # the C steps over the current window
+        self._c_for: SharedWindow | None = None  # ... which is this one
+
+    def use_c_steps(self, make: Callable[..., Any] | None) -> None:
+        """Run the loop's allreduces with C steps (`_fastpath.c`'s WindowSteps class,
+        handed over by the engine, which loads the extension); None: with Python's."""
+        self._c_steps, self._c_for = make, None
+
+    def c_steps(self, win: SharedWindow) -> Any:
+        """The C steps over `win`, made once per window; None without them."""
+        if self._c_steps is None:
+            return None
+        if self._c_for is not win:
+            bases = tuple(int(c.ctypes.data) for c in win.counters)
+            self._c_window = self._c_steps(bases, win.rank, CTL_BYTES, win.region_bytes,
+                                           win.writer(PEER), win.rings(PEER), win)
+            self._c_for = win
+        return self._c_window
 
     def takes(self, recv: Array) -> bool:
         """This allreduce goes to the window: decided from agreed facts only (size and
@@ -270,27 +297,44 @@ class LoopAllreduce:
         window._epoch += 1
         self._epoch, self._step, self._over = window._epoch, 0, False
         self._plan = _Plan(self._win, window.rank, out)
+        fold = NUMPY_FOLDS.get((out.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
+        steps = window.c_steps(self._win) if fold is not None else None
+        self._c = steps.start(src, out, fold, self._epoch) if steps is not None else None
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
         if self._over:
             return True
         try:
-            while self._step < len(STEP_WAITS):
-                if not self._ready():
-                    return False
-                self._take_step()
+            if not self._advance():
+                return False
         except BaseException:
             self._window._abort()
             self._end()
             raise
         self._window.calls += 1
         self._window.loop_calls += 1
+        self._window.c_calls += self._c is not None
         self._end()
         return True
 
     def Wait(self) -> None:  # noqa: N802 - the engine polls it; kept for the protocol
         while not self.Test():
             self._win.wait(*self._awaits(), FAILED)
+
+    def _advance(self) -> bool:
+        """Take every step whose peers are there: True once all are taken; a failed
+        peer raises, as the window's wait does."""
+        if self._c is not None:
+            got = self._c.advance()
+            self._step = self._c.step
+            if got < 0:
+                raise BackendError(f"node rank {-got - 1} failed in {FAILED}")
+            return bool(got)
+        while self._step < len(STEP_WAITS):
+            if not self._ready():
+                return False
+            self._take_step()
+        return True
 
     def _awaits(self) -> tuple[int, int]:
         """The counter and value every rank must reach before my next step."""

@@ -54,7 +54,7 @@ import itertools
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -226,6 +226,14 @@ class SharedWindow:
         self._stamp(q, kind)
         self._sync()  # the bell is stored before I look who sleeps on it
         self._wake(q)
+
+    def writer(self, kind: str) -> int:
+        """The code `kind`'s stamps carry (C steps that ring bells stamp as PEER)."""
+        return self._writers[kind]
+
+    def rings(self, kind: str) -> Iterator[int]:
+        """`kind`'s count of stamps, which C steps draw from too: one sequence."""
+        return self._rings[kind]
 
     def _stamp(self, q: int, kind: str) -> None:
         futex.stamp(self.bells[q], self._writers[kind], next(self._rings[kind]))
