@@ -58,8 +58,9 @@ DECLARED: tuple[Setting, ...] = (
        agree=True, choices=("auto", "mpi", "horovod", "local")),
     _s("THREAD_MIN_BYTES", "number", "1048576", "Data stages at least this big are waited "
        "for in the lane's wait thread, on the bulk communicator. Unset, on one node under "
-       "MPICH, allreduces under 2 MiB that a caller awaits stay on the loop, polled (a "
-       "gradient bucket's still go to the thread).", agree=True),
+       "MPICH, allreduces under 2 MiB (or under WINDOW_MIN_BYTES, where the node window "
+       "is on) that a caller awaits stay on the loop, polled (a gradient bucket's still "
+       "go to the thread).", agree=True),
     _s("BULK", "text", "auto", "Bulk allreduces across hosts: gloo where MPI's blocking call "
        "spins or gloo measures faster (`auto`), always MPI, always gloo, or measure on one "
        "node too (`measure`).",

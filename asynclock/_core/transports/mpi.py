@@ -318,22 +318,30 @@ WINDOW_LOOP_HI = 8 << 20
 
 # On one node MPICH's non-blocking allreduce, tested without pause by the poller of a
 # caller that awaits it, moves 1 MiB faster than the wait thread's blocking call with
-# its two hand-overs between threads, and than the node window's steps on the loop,
-# which are faster from 2 MiB (figures: the benchmarks page): allreduces below
-# `MPICH_LOOP_HI` stay with it there. Their data stage starts once the header round
-# has seen every rank, so no rank's poller has fallen back to sleeping between tests
-# while the data moves (its tight phase, `ProgressPolicy.busy_s`, outlasts such a
-# transfer on one node).
+# its two hand-overs between threads: allreduces below `MPICH_LOOP_HI` stay with it
+# there, unless the node window takes them (from ASYNCLOCK_WINDOW_MIN_BYTES on), whose
+# steps on the loop, in C, are faster still (figures: the benchmarks page). Their data
+# stage starts once the header round has seen every rank, so no rank's poller has
+# fallen back to sleeping between tests while the data moves (its tight phase,
+# `ProgressPolicy.busy_s`, outlasts such a transfer on one node).
 MPICH_LOOP_HI = 2 << 20
+
+
+def mpich_loop_hi() -> int:
+    """Where MPICH's loop band ends on one node: `MPICH_LOOP_HI`, or the node window's
+    smallest allreduce where the window is on (agreed settings only)."""
+    if settings.flag("ASYNCLOCK_NODE_WINDOW"):
+        return min(MPICH_LOOP_HI, int(settings.number("ASYNCLOCK_WINDOW_MIN_BYTES")))
+    return MPICH_LOOP_HI
 
 
 def _loop_band(one_node: bool) -> tuple[int, int]:
     """The sizes of allreduce a waiting caller's poller runs on the loop, however
-    large (`Channel.loop_band`): under MPICH on one node, below `MPICH_LOOP_HI`,
+    large (`Channel.loop_band`): under MPICH on one node, below `mpich_loop_hi()`,
     unless ASYNCLOCK_THREAD_MIN_BYTES is set or ASYNCLOCK_BULK asks for gloo."""
     if one_node and not settings.is_set("ASYNCLOCK_THREAD_MIN_BYTES") and gloo_mode() in (
             "auto", "mpi") and "MPICH" in _mpi().Get_library_version():
-        return (0, MPICH_LOOP_HI)
+        return (0, mpich_loop_hi())
     return (0, 0)
 
 
