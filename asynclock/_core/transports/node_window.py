@@ -298,7 +298,8 @@ class LoopAllreduce:
         self._epoch, self._step, self._over = window._epoch, 0, False
         self._plan = _Plan(self._win, window.rank, out)
         fold = NUMPY_FOLDS.get((out.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
-        steps = window.c_steps(self._win) if fold is not None else None
+        flat = src.flags.c_contiguous and out.flags.c_contiguous  # C takes plain memory
+        steps = window.c_steps(self._win) if fold is not None and flat else None
         self._c = steps.start(src, out, fold, self._epoch) if steps is not None else None
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
