@@ -98,6 +98,26 @@ async def check_ops(c: asynclock.Coordinator) -> int:
     return count
 
 
+async def check_small_path(c: asynclock.Coordinator) -> int:
+    """Where the window would run an awaited allreduce on the loop now, the small-call
+    path takes it whole (`engine.small_calls`): its header round, then the window's
+    steps, with no operation for the engine. A peer late past the spin (a loaded
+    machine) hands the round to the engine instead, so this looks for one allreduce
+    among many that the engine never saw; every result must be right either way.
+    Every rank runs the same number of rounds: the last tells whether to go on.
+    Returns how many window allreduces it made."""
+    engine, n = c.lowlevel.engine, 50_001
+    want = reference("sum", n, np.float32, c.size)
+    for i in range(100):
+        general = engine._issued  # operations of the general path (`Engine._begin`)
+        t = torch.from_numpy(contribution(c.rank, n, np.float32, "sum"))
+        await c.allreduce_(t)
+        check(t.numpy(), want, f"small path {i}")
+        if await c.allreduce(np.array([engine._issued == general], np.int32), "max"):
+            return i + 1
+    raise AssertionError("100 window allreduces in a row took the general path")
+
+
 async def check_cancelled(c: asynclock.Coordinator) -> None:
     """A task awaiting a window allreduce is cancelled on every rank: the allreduce
     still runs to its end (its tensor holds the sum), and the next one is right."""
@@ -150,8 +170,11 @@ async def check_process_set(c: asynclock.Coordinator) -> None:
 
 async def main() -> None:
     async with asynclock.start() as c:
-        count = await check_ops(c)
+        count, small = await check_ops(c), 0
         report(c.rank, "ops", f"{count} allreduces")
+        if not OFF:
+            small = await check_small_path(c)
+            report(c.rank, "small_path", f"after {small} allreduces")
         await check_cancelled(c)
         report(c.rank, "cancelled")
         await check_in_flight_together(c)
@@ -164,7 +187,8 @@ async def main() -> None:
         if OFF:
             assert windows == 0, f"{windows} allreduces went through a window switched off"
         else:  # all but those of the removed set, whose channel is gone
-            assert windows >= count + 9, f"only {windows} of {count + 9} through the window"
+            expected = count + 9 + (0 if OFF else small)
+            assert windows >= expected, f"only {windows} of {expected} through the window"
             # once the window is made, an awaited allreduce runs on the loop, step by step
             polled = c.backend.window_loop_calls()  # type: ignore[attr-defined]
             assert polled >= count // 2, f"only {polled} of {count} run on the loop"

@@ -118,6 +118,7 @@ class Signature(NamedTuple):
     op: ReduceOp | None = None  # set for an allreduce whose data follows the header
     fold: int = 0  # 1: the compact round copies the reduced payload into `out`; 0: `finish`
     bump: int = 1  # 0: a named call on a lane by name does not advance W_SEQ (`Lane.next_seq`)
+    bulk: bool = False  # a bulk size: staged only into a node window on the loop
 
 
 class SmallCalls:
@@ -239,18 +240,28 @@ class SmallCalls:
                           inplace: bool) -> Any:
         """Too big to ride inline: the header round, then the data allreduce, both
         from this call. Only while nothing earlier on this lane still waits to
-        issue its data stage: data stages go out in header order on every rank."""
+        issue its data stage: data stages go out in header order on every rank.
+        A bulk size comes here only where the channel's node window would run it on
+        the loop now (`loop_ready`), and its data is that window allreduce."""
         if self._lane.queue:
+            return NOT_SMALL
+        bulk: Any = self._lane.transport.bulk_view() if sig.bulk else None
+        if bulk is not None and not bulk.loop_ready(a):
             return NOT_SMALL
         req = self._exchange(sig, None, whole=False)
         if req is not None:
             return self._hand_off(sig, req, obj, a, shape, inplace)
         out = a if inplace else np.empty(a.size, a.dtype)
         try:
-            data = self._lane.transport.iallreduce(None if inplace else a, out, op)
+            data = (self._lane.transport.iallreduce if bulk is None else bulk.loop_allreduce)(
+                None if inplace else a, out, op)
         except Exception as exc:  # as `Operation.issue_next` reports it
             raise BackendError(f"allreduce #{self._seq} on {self._lane.transport.name}: "
                                f"{exc}") from exc
+        if data is None:  # a peer failed in the window meanwhile: the engine issues the
+            # data stage of the agreed round, as for any operation (and fails it)
+            self._lane.synchronous -= 1  # counted as finished here by `_judged`
+            return self._hand_off(sig, header_round.finished_request(), obj, a, shape, inplace)
         deadline = self._issued_at + self._engine.spin_for(self._lane)
         while not data.Test():
             if time.perf_counter() >= deadline:
@@ -392,8 +403,10 @@ class SmallCalls:
         staged = a.nbytes > INLINE_BYTES
         bulk = staged and self._engine.policy.waits_in_thread(a.nbytes,
                                                               self._lane.transport.loop_band)
-        if code == BFLOAT16 or (staged and (code in HALF_CODES or staging.cpu_twin() or bulk)):
+        if code == BFLOAT16 or (staged and (code in HALF_CODES or staging.cpu_twin())):
             return None  # the twin's data goes through the device group, as CUDA data does
+        if bulk and getattr(self._lane.transport.bulk_view(), "window", None) is None:
+            return None  # the wait thread's: only a node window runs a bulk size here
         try:
             rop = as_reduce_op(op)
         except ValueError:
@@ -408,7 +421,7 @@ class SmallCalls:
             return AllreduceOp(lane, c, b, o, rop)  # type: ignore[arg-type]
 
         if staged:
-            return self._signature(call, 0, code, _nothing, make)._replace(op=rop)
+            return self._signature(call, 0, code, _nothing, make)._replace(op=rop, bulk=bulk)
         if not self._compact:
             return self._signature(call, a.nbytes, code, self._fold(code, rop, a.size), make)
         fold = fold_code(code, rop)

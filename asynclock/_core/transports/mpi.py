@@ -387,12 +387,23 @@ class BulkChannel:
         `WINDOW_LOOP_HI` on one node, a window allreduce the loop runs step by step
         (`NodeWindow.on_loop`), which skips the hand-overs to the wait thread and
         back; otherwise, or until the window is made, the wait thread's."""
+        polled = self.loop_allreduce(send, recv, op)
+        return polled if polled is not None else self.iallreduce(send, recv, op)
+
+    def loop_ready(self, recv: Array) -> bool:
+        """Whether `loop_allreduce` takes an allreduce into `recv` now (this rank's
+        state alone: callers that decided to ask still agree on what they issue)."""
         window = self.window
-        if window is not None and recv.nbytes < WINDOW_LOOP_HI and window.takes(recv):
-            polled = window.on_loop(send, recv, op)
-            if polled is not None:
-                return polled
-        return self.iallreduce(send, recv, op)
+        return (window is not None and recv.nbytes < WINDOW_LOOP_HI and window.takes(recv)
+                and window.loop_ready(recv.nbytes))
+
+    def loop_allreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> Request | None:
+        """The window allreduce the loop runs step by step, or None where `loop_ready`
+        does not hold; nothing is issued then."""
+        window = self.window
+        if window is None or recv.nbytes >= WINDOW_LOOP_HI or not window.takes(recv):
+            return None
+        return window.on_loop(send, recv, op)
 
     def _through_window(self, window: NodeWindow, send: Array | None, recv: Array,
                         op: ReduceOp) -> None:

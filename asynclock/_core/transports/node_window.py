@@ -131,15 +131,20 @@ class NodeWindow:
 
     def on_loop(self, send: Array | None, recv: Array, op: ReduceOp) -> LoopAllreduce | None:
         """This allreduce as a request the loop polls, or None where it must run in the
-        wait thread: the window is not made yet, or too small, or spans nodes, or an
-        allreduce of it is queued there."""
-        win = self._win
-        if (win is None or not self._usable or self._cross.Get_size() > 1
-                or self.handed != self.ended or self._busy or recv.nbytes > self._capacity
-                or win.aborted()):
+        wait thread (`loop_ready`)."""
+        if not self.loop_ready(recv.nbytes):
             return None
         return LoopAllreduce(self, (recv if send is None else send).reshape(-1),
                              recv.reshape(-1), op)
+
+    def loop_ready(self, nbytes: int) -> bool:
+        """Whether `on_loop` takes an allreduce of `nbytes` now, from this rank's state
+        alone: not where the window is not made yet, or too small, or spans nodes, or
+        an allreduce of it is queued in the wait thread, or a rank failed in it."""
+        win = self._win
+        return not (win is None or not self._usable or self._cross.Get_size() > 1
+                    or self.handed != self.ended or self._busy or nbytes > self._capacity
+                    or win.aborted())
 
     def allreduce(self, send: Array | None, recv: Array, op: ReduceOp) -> bool:
         """Reduce `send` (None: `recv` itself) into `recv` over the communicator.
