@@ -16,6 +16,13 @@ engine's spin time. On the wire it is the general path's exact bytes, so
 ranks on either path agree; when the compact verdict says the ranks differ,
 the general path takes the call and raises the same error on all.
 
+An allreduce too big to ride inline comes this way too while nothing earlier
+on its lane waits for its data stage: the header round, then its data
+allreduce from the same call, the channel's non-blocking one or, for a bulk
+size, the node window's steps on the loop where the window would run it there
+now (`BulkChannel.loop_ready`); elsewhere a bulk size takes the general path,
+whose wait thread moves it.
+
 If the round has not finished when the spin ends, the request and its
 buffers are handed to the general path's operation in the engine (the next
 call gets fresh buffers), so awaiting, cancellation, stall reports and
