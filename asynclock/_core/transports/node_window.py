@@ -301,11 +301,11 @@ class LoopAllreduce:
         window._busy = True
         window._epoch += 1
         self._epoch, self._step, self._over = window._epoch, 0, False
-        self._plan = _Plan(self._win, window.rank, out)
         fold = NUMPY_FOLDS.get((out.dtype, ReduceOp.SUM if op is ReduceOp.AVERAGE else op))
         flat = src.flags.c_contiguous and out.flags.c_contiguous  # C takes plain memory
         steps = window.c_steps(self._win) if fold is not None and flat else None
         self._c = steps.start(src, out, fold, self._epoch) if steps is not None else None
+        self._plan = _Plan(self._win, window.rank, out) if self._c is None else None
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
         if self._over:
@@ -353,6 +353,7 @@ class LoopAllreduce:
 
     def _take_step(self) -> None:
         win, epoch, plan = self._win, self._epoch, self._plan
+        assert plan is not None  # the Python steps'
         if self._step == 0:
             plan.copy_in(self._src)
             win.publish(ARRIVED, epoch)
