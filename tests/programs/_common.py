@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,3 +45,17 @@ def loop_backend() -> str:
 
 def run(main: Callable[[], Awaitable[Any]]) -> None:
     anyio.run(main, backend=loop_backend())
+
+
+def run_or_abort(main: Callable[[], None]) -> None:
+    """Run a plain mpi4py program's `main`; on any error print it and abort the job:
+    peers waiting on this rank in shared memory would otherwise wait out its timeout."""
+    from mpi4py import MPI
+
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

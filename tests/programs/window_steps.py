@@ -20,11 +20,10 @@ Checks, each reported by every rank:
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any
 
 import numpy as np
-from _common import report
+from _common import report, run_or_abort
 from mpi4py import MPI
 
 from asynclock._core.base.errors import BackendError
@@ -129,10 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)  # peers waiting on this rank would wait out the job
+    run_or_abort(main)

@@ -688,7 +688,7 @@ static PyObject *node_data_start(NodeData *self, PyObject *const *args, Py_ssize
     Py_ssize_t slen, olen;
     if (memory_of(args[0], 0, &src, &slen) < 0 || memory_of(args[1], 1, &out, &olen) < 0)
         return NULL;
-    char probe[8];
+    char probe[8] = {0};
     if (slen != olen || slen > self->slot || fold_pair((int)fold, probe, probe, probe, 0) < 0)
         return PyErr_Format(PyExc_ValueError, "not a call for the node's data rounds");
     NodeDataRequest *req = PyObject_New(NodeDataRequest, &NodeDataRequestType);
@@ -768,19 +768,22 @@ static PyTypeObject NodeDataRequestType = {
  * same window, counters and bells (shared_window's layout and discipline), so
  * ranks on either path interoperate within one allreduce.
  *
- * Layout per local rank q: a control block at bases[q] (int64 counters from its
- * start, ABORTED first; the 32-bit bell at BELL; the sleepers word at SLEEPERS),
- * its region `region` bytes after it. A counter is stored between two full
- * fences and read between two, as shared_window.publish and least do with
+ * Layout per local rank q, as shared_window.py defines it and hands it over: a
+ * control block at bases[q] (int64 counters from its start, ABORTED first; the
+ * 32-bit bell and the sleepers word at the offsets given), its region `region`
+ * bytes after it. The counters the steps wait for and publish are
+ * node_window.py's (ARRIVED, REDUCED, LEFT). A counter is stored between two
+ * full fences and read between two, as shared_window.publish and least do with
  * MPI_Win_sync, which on x86-64 is such a fence.
  */
-enum { W_ABORTED = 0, W_ARRIVED = 1, W_REDUCED = 2, W_LEFT = 3, W_BELL = 128, W_SLEEPERS = 192 };
+enum { W_ABORTED = 0, W_ARRIVED = 1, W_REDUCED = 2, W_LEFT = 3 };
 
 typedef struct {
     PyObject_HEAD
     char **bases;  /* every local rank's control block */
     int rank, size;
     Py_ssize_t region;  /* offset of a region from its control block */
+    Py_ssize_t bell, sleepers;  /* offsets of the bell and the sleepers word in it */
     Py_ssize_t region_bytes;
     uint32_t writer;  /* this rank's bell writer code (shared_window's PEER writer) */
     PyObject *rings;  /* shared_window's count for that writer: one sequence for both paths */
@@ -842,18 +845,23 @@ static int win_publish(const WindowSteps *w, int counter, int64_t value) {
         unsigned long count = PyLong_AsUnsignedLongMask(n);
         Py_DECREF(n);
         uint32_t stamp = ((w->writer & 0x7Fu) << 24) | ((uint32_t)count & 0xFFFFFFu);
-        __atomic_store_n((uint32_t *)(w->bases[q] + W_BELL), stamp, __ATOMIC_RELAXED);
+        __atomic_store_n((uint32_t *)(w->bases[q] + w->bell), stamp, __ATOMIC_RELAXED);
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* bells stored before I look who sleeps */
     for (int q = 0; q < w->size; q++) {
         if (q == w->rank) continue;
 #ifdef __linux__  /* elsewhere base.futex sleeps briefly and looks again: no wake */
-        if (__atomic_load_n((uint32_t *)(w->bases[q] + W_SLEEPERS), __ATOMIC_RELAXED))
-            syscall(SYS_futex, (uint32_t *)(w->bases[q] + W_BELL), FUTEX_WAKE, INT_MAX,
+        if (__atomic_load_n((uint32_t *)(w->bases[q] + w->sleepers), __ATOMIC_RELAXED))
+            syscall(SYS_futex, (uint32_t *)(w->bases[q] + w->bell), FUTEX_WAKE, INT_MAX,
                     NULL, NULL, 0);
 #endif
     }
     return 0;
+}
+
+/* Rank q's part of the allreduce from item `lo` on: my own input, or q's region. */
+static const char *win_part(const WindowRequest *r, int q, size_t lo) {
+    return (q == r->win->rank ? r->src : win_region(r->win, q)) + lo * r->esize;
 }
 
 /* One step's memory work (no Python objects: the caller drops the GIL around it). */
@@ -871,13 +879,8 @@ static void win_work(const WindowRequest *r) {
         win_slice(r->items, w->rank, w->size, &lo, &hi);
         size_t len = (hi - lo) * es;
         char *acc = win_region(w, w->rank) + lo * es;
-        const char *part[2];
-        for (int q = 0; q < 2; q++)
-            part[q] = q == w->rank ? r->src + lo * es : win_region(w, q) + lo * es;
-        fold_pair(r->fold, part[0], part[1], acc, len);
-        for (int q = 2; q < w->size; q++)
-            fold_pair(r->fold, acc, q == w->rank ? r->src + lo * es : win_region(w, q) + lo * es,
-                      acc, len);
+        fold_pair(r->fold, win_part(r, 0, lo), win_part(r, 1, lo), acc, len);
+        for (int q = 2; q < w->size; q++) fold_pair(r->fold, acc, win_part(r, q, lo), acc, len);
     } else {  /* every folded slice from its owner's region */
         for (int k = 0; k < w->size; k++) {
             win_slice(r->items, k, w->size, &lo, &hi);
@@ -936,14 +939,15 @@ static PyTypeObject WindowRequestType = {
 static int window_steps_init(WindowSteps *self, PyObject *args, PyObject *kw) {
     PyObject *bases, *rings, *owner;
     int rank;
-    Py_ssize_t region, region_bytes;
+    Py_ssize_t region, bell, sleepers, region_bytes;
     unsigned int writer;
-    if (!PyArg_ParseTuple(args, "O!innIOO", &PyTuple_Type, &bases, &rank, &region,
-                          &region_bytes, &writer, &rings, &owner))
+    if (!PyArg_ParseTuple(args, "O!i(nnn)nIOO", &PyTuple_Type, &bases, &rank, &region, &bell,
+                          &sleepers, &region_bytes, &writer, &rings, &owner))
         return -1;
     Py_ssize_t size = PyTuple_GET_SIZE(bases);
-    if (size < 2 || rank < 0 || rank >= size || region < W_SLEEPERS + 4 || region_bytes < 0
-            || !PyIter_Check(rings)) {
+    if (size < 2 || rank < 0 || rank >= size || bell < 8 * (W_LEFT + 1) || bell % 4
+            || sleepers < 8 * (W_LEFT + 1) || sleepers % 4 || bell + 4 > region
+            || sleepers + 4 > region || region_bytes < 0 || !PyIter_Check(rings)) {
         PyErr_SetString(PyExc_ValueError, "not a node window");
         return -1;
     }
@@ -958,6 +962,8 @@ static int window_steps_init(WindowSteps *self, PyObject *args, PyObject *kw) {
     self->rank = rank;
     self->size = (int)size;
     self->region = region;
+    self->bell = bell;
+    self->sleepers = sleepers;
     self->region_bytes = region_bytes;
     self->writer = writer;
     Py_INCREF(rings);
@@ -981,7 +987,7 @@ static PyObject *window_steps_start(WindowSteps *self, PyObject *const *args, Py
     long fold = PyLong_AsLong(args[2]);
     long long epoch = PyLong_AsLongLong(args[3]);
     if (PyErr_Occurred()) return NULL;
-    char probe[8];
+    char probe[8] = {0};
     if (fold_pair((int)fold, probe, probe, probe, 0) < 0) Py_RETURN_NONE;
     char *src, *out;
     Py_ssize_t slen, olen;
@@ -1019,7 +1025,8 @@ static PyTypeObject WindowStepsType = {
     .tp_basicsize = sizeof(WindowSteps),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A node window's loop allreduces in C: "
-              "WindowSteps(bases, rank, region_offset, region_bytes, writer, rings, owner)",
+              "WindowSteps(bases, rank, (region, bell, sleepers offsets), region_bytes, "
+              "writer, rings, owner)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)window_steps_init,
     .tp_dealloc = (destructor)window_steps_dealloc,

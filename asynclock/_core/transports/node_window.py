@@ -67,7 +67,14 @@ from ..base.header import NUMPY_FOLDS
 from ..base.ops import ReduceOp
 from ..base.reduce import ufunc
 from .settle import settle
-from .shared_window import CTL_BYTES, PEER, SharedWindow, owned_slice
+from .shared_window import (
+    BELL_OFFSET,
+    CTL_BYTES,
+    PEER,
+    SLEEPERS_OFFSET,
+    SharedWindow,
+    owned_slice,
+)
 
 Array = np.ndarray[Any, Any]
 
@@ -75,7 +82,7 @@ Array = np.ndarray[Any, Any]
 # such: they are summed by the 16-bit ring (`ring`) or widened to float32 first.
 WINDOW_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.uint8,
                                                 np.int16, np.int32, np.int64))
-ARRIVED, REDUCED, LEFT = 1, 2, 3  # counters after `shared_window.ABORTED`
+ARRIVED, REDUCED, LEFT = 1, 2, 3  # counters after `shared_window.ABORTED` (`_fastpath.c` too)
 GROW_STEP = 1 << 20  # regions grow in whole MiB, and by half at least
 FAILED = "a shared-window allreduce; every later one on this channel fails too"
 CLOSE_WAIT_S = 10.0  # how long closing waits for peers to finish the last allreduce
@@ -110,8 +117,10 @@ class NodeWindow:
 
     def use_c_steps(self, make: Callable[..., Any] | None) -> None:
         """Run the loop's allreduces with C steps (`_fastpath.c`'s WindowSteps class,
-        handed over by the engine, which loads the extension); None: with Python's."""
-        self._c_steps, self._c_for = make, None
+        handed over by the engine, which loads the extension); None: with Python's.
+        Each of the channel's lanes hands the same class: made once per window."""
+        if make is not self._c_steps:
+            self._c_steps, self._c_for = make, None
 
     def c_steps(self, win: SharedWindow) -> Any:
         """The C steps over `win`, made once per window; None without them."""
@@ -119,7 +128,8 @@ class NodeWindow:
             return None
         if self._c_for is not win:
             bases = tuple(int(c.ctypes.data) for c in win.counters)
-            self._c_window = self._c_steps(bases, win.rank, CTL_BYTES, win.region_bytes,
+            layout = (CTL_BYTES, BELL_OFFSET, SLEEPERS_OFFSET)
+            self._c_window = self._c_steps(bases, win.rank, layout, win.region_bytes,
                                            win.writer(PEER), win.rings(PEER), win)
             self._c_for = win
         return self._c_window
